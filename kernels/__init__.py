@@ -1,0 +1,13 @@
+"""Triton kernels of radixkv: paged attention over block tables, KV store and block copy.
+
+Without a GPU, Triton runs in its interpreter. The interpreter is chosen when a kernel is
+decorated, so the switch is made here, before anything imports triton: a user on a CPU machine
+gets working kernels without setting anything. An explicit TRITON_INTERPRET is left alone.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

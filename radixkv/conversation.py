@@ -1,0 +1,70 @@
+"""The token ids of a conversation, grown turn by turn so each prompt extends the last exactly.
+
+Turn k's prompt must be turn k-1's prompt, then the reply the engine generated, then the new
+user message, token for token: that is what lets the prefix cache serve the whole earlier
+conversation. Re-rendering the history as text and tokenizing it again would break this
+whenever a reply does not survive a decode/encode round trip (a byte-level model emits invalid
+UTF-8 easily). So replies are kept as the ids that were generated, and the chat template is
+rendered with a placeholder in each reply's place; the text between placeholders is tokenized
+piece by piece and the reply ids are spliced in. A template renders a growing conversation as a
+growing text, so every piece of turn k-1 reappears unchanged in turn k.
+
+Token-id conversations (no tokenizer, or ids given) are plain concatenation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLY = "\x00radixkv-reply-{}\x00"
+
+
+class Conversation:
+    def __init__(self, tokenizer: Any | None, system: str | list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.uses_ids = tokenizer is None or isinstance(system, list)
+        self.messages: list[dict[str, str]] = []
+        self._replies: list[list[int]] = []
+        self._ids: list[int] = []  # id conversations: everything so far
+        if isinstance(system, list):
+            self._ids = list(system)
+        elif system is not None:
+            if tokenizer is None:
+                raise ValueError("a text system prompt needs a model with a tokenizer")
+            self.messages.append({"role": "system", "content": system})
+
+    def prompt(self, user: str | list[int]) -> list[int]:
+        """Adds the user's message and returns the whole prompt for the reply to it."""
+        if isinstance(user, list) != self.uses_ids:
+            kind = "token ids" if self.uses_ids else "text"
+            raise ValueError(f"this conversation takes {kind} for every message, got {type(user).__name__}")
+        if self.uses_ids:
+            self._ids.extend(user)
+            return list(self._ids)
+        self.messages.append({"role": "user", "content": user})
+        return self._render()
+
+    def add_reply(self, token_ids: list[int], text: str = "") -> None:
+        """Records the generated reply: its exact ids for the prompts, its text for `messages`."""
+        if self.uses_ids:
+            self._ids.extend(token_ids)
+            return
+        self.messages.append({"role": "assistant", "content": text})
+        self._replies.append(list(token_ids))
+
+    def _render(self) -> list[int]:
+        shown = list(self.messages)
+        reply_no = 0
+        for i, m in enumerate(shown):
+            if m["role"] == "assistant":
+                shown[i] = {"role": "assistant", "content": _REPLY.format(reply_no)}
+                reply_no += 1
+        text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+        ids: list[int] = []
+        for k, reply in enumerate(self._replies):
+            head, text = text.split(_REPLY.format(k), 1)
+            ids += self._encode(head) + reply
+        return ids + self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []

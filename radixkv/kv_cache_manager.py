@@ -1,0 +1,161 @@
+"""Sequences' holds on KV blocks: admission through the prefix cache, growth, forks, release.
+
+This is where the block pool and the radix cache meet the sequences that use them. A
+`BlockTable` is one live sequence's hold: a reference on every block it lists and a lock on the
+cached path it matched. Blocks are allocated on demand as the sequence grows; when the pool
+runs dry the cache is evicted first, and only then `OutOfBlocks` reaches the scheduler, which
+preempts. A block that more than one holder references is never written in place: the writer
+gets a fresh block and a pending copy (copy-on-write) that the model runner executes before the
+step's forward pass. Until then the copy keeps a reference on its source, so eviction or a
+release in the same scheduling step can never hand the source to someone else too early.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from radixkv.block_pool import BlockPool, OutOfBlocks
+from radixkv.radix_cache import RadixCache, RadixNode
+
+
+@dataclass(slots=True, eq=False)
+class BlockTable:
+    """`blocks[i]` holds positions `[i * block_size, (i + 1) * block_size)`; `num_tokens` slots
+    are filled (or being filled this step). `node`, when set, is the locked cached path."""
+
+    blocks: list[int]
+    num_tokens: int = 0
+    node: RadixNode | None = None
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, cache: RadixCache | None) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.block_size = pool.block_size
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be had now: free ones plus those eviction would free."""
+        return self.pool.num_free + (self.cache.evictable_size if self.cache else 0)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def admit(self, tokens: list[int]) -> BlockTable:
+        """A table for a new sequence, holding the longest cached prefix of `tokens` but the
+        last token, which is always computed so that its logits exist."""
+        if self.cache is None or len(tokens) < 2:
+            return BlockTable([])
+        match = self.cache.match_prefix(tokens[:-1])
+        self.cache.inc_lock(match.node)
+        for b in match.blocks:
+            self.pool.incref(b)
+        return BlockTable(list(match.blocks), match.num_tokens, match.node)
+
+    def reserve(self, table: BlockTable, num_new: int) -> None:
+        """Slots for `num_new` more tokens at positions `[table.num_tokens, ...)`: allocates the
+        blocks they need and copies the first one if it is shared. All of it, or OutOfBlocks
+        with nothing changed."""
+        B = self.block_size
+        start, end = table.num_tokens, table.num_tokens + num_new
+        new = self.blocks_for(end) - len(table.blocks)
+        cow = start % B != 0 and self.pool.refcount(table.blocks[start // B]) > 1
+        self._ensure_free(new + cow)
+        if cow and self.pool.refcount(table.blocks[start // B]) > 1:  # eviction may have unshared it
+            (fresh,) = self.pool.allocate(1)
+            self.pending_copies.append((table.blocks[start // B], fresh))  # the copy takes our reference
+            table.blocks[start // B] = fresh
+            self.num_cow_copies += 1
+        table.blocks.extend(self.pool.allocate(new))
+        table.num_tokens = end
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second holder of the same KV (a beam, a parallel sample): shares every block."""
+        for b in table.blocks:
+            self.pool.incref(b)
+        if table.node is not None:
+            self.cache.inc_lock(table.node)
+        return BlockTable(list(table.blocks), table.num_tokens, table.node)
+
+    def release(self, table: BlockTable) -> None:
+        for b in table.blocks:
+            self.pool.decref(b)
+        if table.node is not None:
+            self.cache.dec_lock(table.node)
+        table.blocks, table.num_tokens, table.node = [], 0, None
+
+    def cache_finished(self, table: BlockTable, tokens: list[int]) -> None:
+        """Caches the sequence's computed tokens (a finished or preempted sequence), then
+        releases the table: its next turn, or its own resumption, finds them."""
+        if self.cache is not None and table.num_tokens:
+            self.cache.insert(tokens[: table.num_tokens], table.blocks)
+        self.release(table)
+
+    def cache_running(self, table: BlockTable, tokens: list[int]) -> None:
+        """Caches the whole blocks of a sequence that keeps running, so that requests waiting
+        on the same new prefix hit it now. The table moves its lock to the new path and swaps
+        any duplicate block for the cache's own (freeing the duplicate)."""
+        if self.cache is None:
+            return
+        full = table.num_tokens - table.num_tokens % self.block_size
+        locked = table.node.end if table.node is not None else 0
+        if full <= locked:
+            return
+        self.cache.insert(tokens[:full], table.blocks)
+        match = self.cache.match_prefix(tokens[:full])
+        self.cache.inc_lock(match.node)
+        if table.node is not None:
+            self.cache.dec_lock(table.node)
+        table.node = match.node
+        for i, b in enumerate(match.blocks):
+            if table.blocks[i] != b:
+                self.pool.incref(b)
+                self.pool.decref(table.blocks[i])
+                table.blocks[i] = b
+
+    def run_copies(self, copy: Callable[[list[int], list[int]], None]) -> None:
+        """Executes the pending copies (`copy(src, dst)`), then drops their source references."""
+        if not self.pending_copies:
+            return
+        src, dst = map(list, zip(*self.pending_copies, strict=True))
+        copy(src, dst)
+        self.pending_copies.clear()
+        for b in src:
+            self.pool.decref(b)
+
+    def check_invariants(self, tables: Iterable[BlockTable]) -> None:
+        """Every block is free or referenced, never both; each refcount equals the references
+        held by the cache, the live tables and the pending copies; locks equal the tables'."""
+        tables = list(tables)
+        refs: Counter[int] = Counter(src for src, _ in self.pending_copies)
+        locks: Counter[int] = Counter()
+        for t in tables:
+            assert len(t.blocks) == self.blocks_for(t.num_tokens), f"{t} holds the wrong number of blocks"
+            refs.update(t.blocks)
+            node = t.node
+            while node is not None and node.parent is not None:
+                locks[node.id] += 1
+                node = node.parent
+        if self.cache is not None:
+            self.cache.check_invariants()
+            refs.update(self.cache.referenced_blocks())
+            for node in self.cache._nodes():
+                if node is not self.cache.root:
+                    assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
+        free = self.pool.free_blocks()
+        assert len(set(free)) == len(free), "a block is on the free list twice"
+        for b in range(self.pool.num_blocks):
+            count = self.pool.refcount(b)
+            assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
+        assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+
+    def _ensure_free(self, n: int) -> None:
+        if n > self.pool.num_free and self.cache is not None:
+            self.cache.evict(n - self.pool.num_free)
+        if n > self.pool.num_free:
+            raise OutOfBlocks(n, self.pool.num_free)

@@ -1,0 +1,82 @@
+"""The attention function that plugs radixkv's paged KV cache into transformers' model code.
+
+transformers calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` inside every attention
+layer, after the q/k/v projections and rotary embeddings, with query `[1, Hq, T, D]` and key/value
+`[1, Hkv, T, D]` for the flattened batch, the layer's `scaling`, and every extra keyword argument
+given to the model's forward. `ModelRunner` passes a `PagedBatch` as `paged_batch`; this function
+stores the new K/V of `module.layer_idx` and attends over the block tables. Because the name is not
+registered with transformers' `AttentionMaskInterface`, the model builds no dense causal mask
+(`attention_mask` arrives as None): the kernel's causality comes from `seq_lens` alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from kernels import paged_attention, store_kv
+
+PAGED_ATTENTION = "radixkv_paged"
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Everything attention needs for one step, shared by all layers (device tensors).
+
+    `slot_mapping[t]` is `block * block_size + offset` of new token t; `block_table`, `seq_lens`
+    and `query_start_loc` have the meanings of `kernels.paged_attention`.
+    """
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_batch: PagedBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Store this layer's new K/V and attend over the paged cache; returns `[1, T, Hq, D]`, None.
+
+    `attention_mask`, `dropout` (always 0 in eval) and the layer's `sliding_window` in `kwargs` are
+    ignored: the mask is implied by `seq_lens` and the window by the capped `max_model_len`.
+    """
+    if paged_batch is None:
+        raise RuntimeError(
+            "this model's attention is bound to a radixkv ModelRunner and needs its paged_batch; "
+            "run it through ModelRunner.forward, or run a copy of the model made before binding"
+        )
+    layer = module.layer_idx
+    k_cache, v_cache = paged_batch.k_caches[layer], paged_batch.v_caches[layer]
+    store_kv(
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        k_cache,
+        v_cache,
+        paged_batch.slot_mapping,
+    )
+    out = paged_attention(
+        query[0].transpose(0, 1).contiguous(),
+        k_cache,
+        v_cache,
+        paged_batch.block_table,
+        paged_batch.seq_lens,
+        paged_batch.query_start_loc,
+        scale=scaling,
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)

@@ -1,0 +1,84 @@
+"""Next-token choice from float32 logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling is an exponential race: with `q ~ Exp(1)` drawn per vocabulary entry, `argmax(p / q)` is
+a draw from `p`. A seeded request draws its `q` from its own `torch.Generator`, a fixed number of
+values per step, so its tokens do not depend on what else is in the batch; and since the race is
+won by a margin, the tiny float differences between batch compositions do not change the winner.
+Unseeded rows share one draw from torch's global generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from radixkv.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The generator a seeded request keeps for its whole life (one per request, on the logits' device)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities in float32 over the last dim, unscaled and unfiltered (as beam search scores)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside row i's top `top_k[i]` and then outside its nucleus `top_p[i]`.
+
+    `top_k[i] >= vocab` and `top_p[i] == 1` keep everything. Top-p runs on the distribution left by
+    top-k, as in transformers and vLLM: it keeps the fewest highest tokens whose probability sums
+    to at least `top_p`, and always the most likely one.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One next token per row of `logits [B, V]` (int64 `[B]`): row i follows `params[i]`.
+
+    `generators[i]` is the seeded request's generator (`make_generator`) or None. Greedy rows
+    (temperature 0) take the argmax and consume no randomness.
+    """
+    if not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError(
+            f"sample got {logits.shape[0]} logit rows, {len(params)} params and {len(generators)} generators"
+        )
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    vocab = logits.shape[-1]
+    device = logits.device
+    chosen = [params[i] for i in rows]
+    temperature = torch.tensor([p.temperature for p in chosen], device=device)
+    scaled = logits[rows] / temperature.unsqueeze(1)
+    if any(p.top_k != -1 or p.top_p < 1 for p in chosen):
+        top_k = torch.tensor([vocab if p.top_k == -1 else p.top_k for p in chosen], device=device)
+        top_p = torch.tensor([p.top_p for p in chosen], device=device)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+    if unseeded:
+        race[unseeded] = race[unseeded].exponential_()
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            race[j].exponential_(generator=generators[i])
+    # A draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which argmax picks.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    tokens[rows] = (probs / race).argmax(dim=-1)
+    return tokens

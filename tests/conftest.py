@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny seeded float32 models on the CPU, small enough for the Triton interpreter.
+
+Each fixture builds a fresh model (a few milliseconds), because a `ModelRunner` binds the model's
+attention to its paged cache; a test that wants transformers' own forward as the oracle takes
+`copy.deepcopy(loaded.model)` before building the runner. Weights use initializer range 0.3 so
+that greedy choices are not near-ties (see `radixkv.presets`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+from radixkv.model_loader import LoadedModel, build_random_model
+from radixkv.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+
+TINY_SIZES = {
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.3,
+    "bos_token_id": None,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+}
+
+
+def _build(config: PretrainedConfig, name: str) -> LoadedModel:
+    return build_random_model(
+        config, dtype=torch.float32, device="cpu", seed=0, tokenizer=build_byte_tokenizer(), name=name
+    )
+
+
+@pytest.fixture
+def llama_gqa() -> LoadedModel:
+    """Llama, 2 layers, 4 query heads over 2 KV heads of dim 16, untied embeddings."""
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], head_dim=16, **TINY_SIZES)
+    return _build(config, "test-llama-gqa")
+
+
+@pytest.fixture
+def qwen2() -> LoadedModel:
+    """Qwen2 of the same size, with (random, nonzero) q/k/v bias and tied embeddings."""
+    config = Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **TINY_SIZES)
+    return _build(config, "test-qwen2")
+
+
+@pytest.fixture
+def mistral() -> LoadedModel:
+    """Mistral of the same size with a 64-token sliding window (so max_model_len is 64)."""
+    config = MistralConfig(architectures=["MistralForCausalLM"], head_dim=16, sliding_window=64, **TINY_SIZES)
+    return _build(config, "test-mistral")
+
+
+@pytest.fixture(params=["llama_gqa", "qwen2"])
+def tiny_model(request: pytest.FixtureRequest) -> LoadedModel:
+    """Each of the two main architectures in turn."""
+    return request.getfixturevalue(request.param)

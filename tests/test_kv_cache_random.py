@@ -1,0 +1,159 @@
+"""Seeded random runs of the whole cache core against a naive model of sequences.
+
+The naive model is a plain list of cached token sequences: a query's longest cached prefix is
+its longest common prefix with any of them. Besides, every block carries fake KV (the token
+written at each slot), so a write into a shared block, a copy that went missing or a block
+handed to two owners shows up as a sequence that no longer reads back its own tokens.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from radixkv.block_pool import BlockPool, OutOfBlocks
+from radixkv.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.radix_cache import RadixCache
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+class Harness:
+    def __init__(self, block_size: int, num_blocks: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.B = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.cache = RadixCache(self.pool)
+        self.kv = KVCacheManager(self.pool, self.cache)
+        self.slots = np.full((num_blocks, block_size), -1, dtype=np.int64)  # fake KV
+        self.reference: list[list[int]] = []
+        self.live: list[tuple[BlockTable, list[int]]] = []
+        # A few long "documents" over a 3-letter alphabet: prompts share prefixes and diverge
+        # inside blocks often.
+        self.docs = [[self.rng.randrange(3) for _ in range(6 * block_size)] for _ in range(4)]
+
+    def prompt(self) -> list[int]:
+        doc = self.rng.choice(self.docs)
+        cut = self.rng.randrange(1, len(doc))
+        tail = [self.rng.randrange(3) for _ in range(self.rng.randrange(0, 2 * self.B))]
+        return doc[:cut] + tail
+
+    # ---------------------------------------------------------------- operations
+
+    def admit(self) -> None:
+        tokens = self.prompt()
+        table = self.kv.admit(tokens)
+        expected = max((common_prefix(tokens[:-1], s) for s in self.reference), default=0)
+        assert table.num_tokens == expected, f"matched {table.num_tokens}, reference {expected}"
+        self.live.append((table, tokens))
+        self.append(len(self.live) - 1, len(tokens) - table.num_tokens)
+
+    def append(self, i: int, n: int) -> None:
+        table, tokens = self.live[i]
+        while len(tokens) < table.num_tokens + n:
+            tokens.append(self.rng.randrange(3))
+        start = table.num_tokens
+        try:
+            self.kv.reserve(table, n)
+        except OutOfBlocks:
+            assert table.num_tokens == start
+            return
+        self.kv.run_copies(self.copy)
+        for p in range(start, start + n):
+            self.slots[table.blocks[p // self.B], p % self.B] = tokens[p]
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        self.slots[dst] = self.slots[src]
+
+    def step(self) -> None:
+        evicted = self.cache.num_evicted
+        self.operate()
+        if self.cache.num_evicted != evicted:  # explicitly, or to make room for an allocation
+            self.forget_evicted()
+
+    def operate(self) -> None:
+        op = self.rng.random()
+        if len(self.live) > 12:  # keep the run churning rather than piling up sequences
+            op = 0.7
+        if op < 0.25 or not self.live:
+            self.admit()
+        elif op < 0.45:
+            self.append(self.rng.randrange(len(self.live)), self.rng.randrange(1, 2 * self.B + 2))
+        elif op < 0.55:
+            table, tokens = self.rng.choice(self.live)
+            self.live.append((self.kv.fork(table), list(tokens)))
+        elif op < 0.65:
+            table, tokens = self.rng.choice(self.live)
+            self.kv.cache_running(table, tokens)
+            full = table.num_tokens - table.num_tokens % self.B
+            if full:
+                self.reference.append(tokens[:full])
+        elif op < 0.8:
+            table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
+            if table.num_tokens:
+                self.reference.append(tokens[: table.num_tokens])
+            self.kv.cache_finished(table, tokens)
+        elif op < 0.88:
+            table, _ = self.live.pop(self.rng.randrange(len(self.live)))
+            self.kv.release(table)
+        else:
+            self.evict(self.rng.randrange(1, 3 * self.B))
+
+    def evict(self, n: int) -> None:
+        free_before = self.pool.num_free
+        freed = self.cache.evict(n)
+        assert self.pool.num_free == free_before + freed
+        # A block that a live fork still references loses only the cache's reference, so
+        # eviction may take more than n cached blocks, but it stops at n freed ones.
+        assert freed == n or (freed < n and self.cache.evictable_size == 0)
+
+    def forget_evicted(self) -> None:
+        """Eviction only forgets: whatever the cache still holds was cached before, and the
+        reference now holds just that."""
+        cached = self.cache.cached_sequences()
+        for seq in cached:
+            assert any(common_prefix(seq, s) == len(seq) for s in self.reference), "evict invented KV"
+        self.reference = cached
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self) -> None:
+        self.kv.check_invariants(t for t, _ in self.live)
+        for table, tokens in self.live:
+            assert self.reads_back(tokens[: table.num_tokens], table.blocks), "sequence KV corrupted"
+        for seq, blocks in self.cached_paths():
+            assert self.reads_back(seq, blocks), "cached KV corrupted"
+
+    def reads_back(self, tokens: list[int], blocks: list[int]) -> bool:
+        pos = np.arange(len(tokens))
+        slots = self.slots[np.asarray(blocks, dtype=np.int64)[pos // self.B], pos % self.B]
+        return np.array_equal(slots, tokens)
+
+    def cached_paths(self):
+        stack = [(self.cache.root, [], [])]
+        while stack:
+            node, toks, blocks = stack.pop()
+            toks, blocks = toks + node.tokens, blocks + node.blocks
+            if not node.children:
+                yield toks, blocks
+            stack.extend((c, toks, blocks) for c in node.children.values())
+
+
+@pytest.mark.parametrize(("block_size", "seed"), [(1, 0), (16, 1), (64, 2), (4, 3)])
+def test_random_operations_match_the_naive_reference(block_size, seed):
+    # Small enough that eviction and OutOfBlocks happen all the time.
+    h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed)
+    for _ in range(5000):
+        h.step()
+        h.check()
+    while h.live:
+        h.kv.release(h.live.pop()[0])
+    h.check()
+    assert h.pool.num_free + h.cache.evictable_size == h.pool.num_blocks, "blocks leaked"
+    assert h.cache.protected_size == 0

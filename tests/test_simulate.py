@@ -1,0 +1,97 @@
+import json
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from radixkv.cli import main
+from radixkv.simulate import CacheRequest, hit_tokens, requests_from_workload
+from radixkv.traces import HashIdTokens
+from radixkv.workload import Session, Turn, Workload
+
+MOONCAKE = Path(__file__).parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def block_lru_hits(requests: list[list[int]], capacity: int, hash_block: int) -> int:
+    """An independent block-level LRU over hash ids: the leading run of cached ids hits, then
+    every id of the request is touched, its deepest first, so that a prefix outlives its
+    extensions. The engine always recomputes a prompt's last token, hence the one token less."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for ids in requests:
+        k = 0
+        while k < len(ids) and ids[k] in cache:
+            k += 1
+        hits += k * hash_block - (k == len(ids))
+        for i in reversed(ids):
+            cache[i] = None
+            cache.move_to_end(i)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return hits
+
+
+def random_hash_trace(rng: random.Random, n: int) -> list[list[int]]:
+    """Requests that extend earlier ones at random points, as hash ids name whole prefixes."""
+    requests: list[list[int]] = []
+    next_id = 0
+    for _ in range(n):
+        base = rng.choice(requests) if requests and rng.random() < 0.7 else []
+        ids = base[: rng.randint(0, len(base))]
+        for _ in range(rng.randint(1, 8)):
+            ids = [*ids, next_id]
+            next_id += 1
+        requests.append(ids)
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_hits_equal_an_independent_block_level_lru(seed):
+    rng = random.Random(seed)
+    trace = random_hash_trace(rng, 300)
+    hash_block = rng.choice([1, 4, 16])
+    capacity = rng.randint(max(map(len, trace)), 200)
+    tokens = HashIdTokens(hash_block)
+    requests = [CacheRequest(0.0, tokens.tokens(ids), []) for ids in trace]
+    assert hit_tokens(requests, capacity, hash_block, "lru") == block_lru_hits(trace, capacity, hash_block)
+
+
+def test_next_turn_hits_the_previous_prompt_and_reply():
+    session = Session("s", [Turn([1, 2, 3, 4, 5], 4), Turn([6, 7], 3, think=1.0)], system=[9] * 8)
+    first, second = requests_from_workload(Workload([session], {}), tokenizer=None)
+    assert second.prompt[: len(first.prompt) + 4] == first.prompt + first.output
+    hits = hit_tokens([first, second], capacity_blocks=64, block_size=4, eviction="lru")
+    assert hits == len(first.prompt) + len(first.output)
+
+
+def test_simulate_json_has_the_contract_fields(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 10 * i, "input_length": 30, "output_length": 2, "hash_ids": [0, 1, i + 2]}
+            for i in range(5)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["simulate", str(trace), "--capacity-blocks", "8", "--hash-block", "4",
+                 "--block-size", "4", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    for key in ("requests", "prompt_tokens", "hit_tokens", "hit_rate", "ideal_hit_rate",
+                "capacity_blocks", "block_size", "eviction"):  # fmt: skip
+        assert key in out
+    assert out["requests"] == 5 and out["prompt_tokens"] == 60
+    assert out["hit_tokens"] == 4 * 8  # each later request finds the two shared ids
+    assert out["hit_rate"] == pytest.approx(32 / 60)
+
+
+def test_bad_capacity_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "x.jsonl", "--capacity-blocks", "many"])
+    assert "capacit" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="the shared Mooncake trace is not present")
+def test_mooncake_lru_hit_rates_match_the_reference_table(capsys):
+    expected = {1000: 0.084, 4000: 0.235, 16000: 0.530}
+    assert main(["simulate", str(MOONCAKE), "--hash-block", "16", "--block-size", "16",
+                 "--capacity-blocks", "1000,4000,16000", "--json"]) == 0  # fmt: skip
+    for row in json.loads(capsys.readouterr().out):
+        assert row["hit_rate"] == pytest.approx(expected[row["capacity_blocks"]], abs=0.01)
+        assert row["ideal_hit_rate"] == pytest.approx(0.640, abs=0.01)
