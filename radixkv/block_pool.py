@@ -88,10 +88,19 @@ def kv_block_bytes(
 
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_bytes(size: int | str) -> int:
@@ -114,7 +123,5 @@ def num_blocks_for_budget(budget: int | str, bytes_per_block: int) -> int:
     budget_bytes = parse_bytes(budget)
     n = budget_bytes // bytes_per_block
     if n < 1:
-        raise ValueError(
-            f"kv_cache_memory {budget!r} holds no KV block ({bytes_per_block} bytes per block)"
-        )
+        raise ValueError(f"kv_cache_memory {budget!r} holds no KV block ({bytes_per_block} bytes per block)")
     return n

@@ -1,6 +1,5 @@
 """The `radixkv` command. Each subcommand's arguments and body live beside what it drives; this
-file only names them, so `radixkv --help` lists everything and nothing heavy is imported until
-a subcommand runs."""
+file only names them."""
 
 from __future__ import annotations
 
@@ -24,6 +23,39 @@ def _simulate(args: argparse.Namespace) -> int:
     return simulate.run(args, _load_tokenizer)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from radixkv import replay
+
+    return replay.run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kernels import bench
+
+    return bench.run(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
+    from radixkv import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model))
+    session = engine.chat(system=args.system)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    while True:
+        try:
+            message = input("you> ")
+        except EOFError:
+            break
+        if not message.strip():
+            break
+        print("bot> ", end="", flush=True)
+        for piece in session.stream(message, params):
+            print(piece.text, end="", flush=True)
+        print()
+    return 0
+
+
 def _workload(args: argparse.Namespace) -> int:
     from radixkv import workload_commands
 
@@ -31,7 +63,8 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radixkv import simulate, workload_commands
+    from kernels import bench as bench_kernels
+    from radixkv import replay, simulate, workload_commands
 
     parser = argparse.ArgumentParser(
         prog="radixkv", description="An LLM inference engine that never computes the same prefix twice."
@@ -41,6 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     sim = commands.add_parser("simulate", help="the prefix cache alone over a trace or workload")
     simulate.add_arguments(sim)
     sim.set_defaults(func=_simulate)
+
+    rep = commands.add_parser("replay", help="replay a multi-turn workload and report time to first token")
+    replay.add_arguments(rep)
+    rep.set_defaults(func=_replay)
+
+    chat = commands.add_parser("chat", help="chat with a model in the terminal")
+    chat.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.set_defaults(func=_chat)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    bench_kernels.add_arguments(suites.add_parser("kernels", help="Triton paged attention against torch"))
+    bench.set_defaults(func=_bench)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -20,12 +20,17 @@ _REPLY = "\x00radixkv-reply-{}\x00"
 
 
 class Conversation:
+    """`prompt(user)` returns the prompt for the user's new message; `add_reply(...)` then
+    commits the message and the reply together. A prompt that is never answered (the engine
+    refused it, say) leaves the conversation as it was."""
+
     def __init__(self, tokenizer: Any | None, system: str | list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.uses_ids = tokenizer is None or isinstance(system, list)
         self.messages: list[dict[str, str]] = []
         self._replies: list[list[int]] = []
         self._ids: list[int] = []  # id conversations: everything so far
+        self._pending: str | list[int] | None = None
         if isinstance(system, list):
             self._ids = list(system)
         elif system is not None:
@@ -34,26 +39,32 @@ class Conversation:
             self.messages.append({"role": "system", "content": system})
 
     def prompt(self, user: str | list[int]) -> list[int]:
-        """Adds the user's message and returns the whole prompt for the reply to it."""
+        """The whole prompt for a reply to the user's new message."""
         if isinstance(user, list) != self.uses_ids:
             kind = "token ids" if self.uses_ids else "text"
             raise ValueError(f"this conversation takes {kind} for every message, got {type(user).__name__}")
+        self._pending = user
         if self.uses_ids:
-            self._ids.extend(user)
-            return list(self._ids)
-        self.messages.append({"role": "user", "content": user})
-        return self._render()
+            return self._ids + user
+        return self._render(self.messages + [{"role": "user", "content": user}])
 
     def add_reply(self, token_ids: list[int], text: str = "") -> None:
-        """Records the generated reply: its exact ids for the prompts, its text for `messages`."""
+        """Commits the pending user message and the generated reply: its exact ids for the
+        prompts to come, its text for `messages`."""
+        if self._pending is None:
+            raise ValueError("add_reply needs a prompt() first")
         if self.uses_ids:
-            self._ids.extend(token_ids)
-            return
-        self.messages.append({"role": "assistant", "content": text})
-        self._replies.append(list(token_ids))
+            self._ids += self._pending + token_ids
+        else:
+            self.messages += [
+                {"role": "user", "content": self._pending},
+                {"role": "assistant", "content": text},
+            ]
+            self._replies.append(list(token_ids))
+        self._pending = None
 
-    def _render(self) -> list[int]:
-        shown = list(self.messages)
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        shown = list(messages)
         reply_no = 0
         for i, m in enumerate(shown):
             if m["role"] == "assistant":

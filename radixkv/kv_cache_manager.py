@@ -57,22 +57,33 @@ class KVCacheManager:
             self.pool.incref(b)
         return BlockTable(list(match.blocks), match.num_tokens, match.node)
 
-    def reserve(self, table: BlockTable, num_new: int) -> None:
-        """Slots for `num_new` more tokens at positions `[table.num_tokens, ...)`: allocates the
-        blocks they need and copies the first one if it is shared. All of it, or OutOfBlocks
-        with nothing changed."""
+    def reserve(self, plan: list[tuple[BlockTable, int]]) -> None:
+        """For each `(table, n)`, slots for `n` more tokens at positions `[table.num_tokens, ...)`:
+        allocates the blocks they need and copies a shared block before it is written. All of
+        it, or OutOfBlocks with nothing changed, so a request's sequences grow together."""
         B = self.block_size
-        start, end = table.num_tokens, table.num_tokens + num_new
-        new = self.blocks_for(end) - len(table.blocks)
-        cow = start % B != 0 and self.pool.refcount(table.blocks[start // B]) > 1
-        self._ensure_free(new + cow)
-        if cow and self.pool.refcount(table.blocks[start // B]) > 1:  # eviction may have unshared it
-            (fresh,) = self.pool.allocate(1)
-            self.pending_copies.append((table.blocks[start // B], fresh))  # the copy takes our reference
-            table.blocks[start // B] = fresh
-            self.num_cow_copies += 1
-        table.blocks.extend(self.pool.allocate(new))
-        table.num_tokens = end
+        self._ensure_free(self.blocks_needed(plan))
+        for table, n in plan:
+            start = table.num_tokens
+            if start % B and self.pool.refcount(table.blocks[start // B]) > 1:
+                (fresh,) = self.pool.allocate(1)
+                self.pending_copies.append((table.blocks[start // B], fresh))  # the copy takes our reference
+                table.blocks[start // B] = fresh
+                self.num_cow_copies += 1
+            table.blocks.extend(self.pool.allocate(self.blocks_for(start + n) - len(table.blocks)))
+            table.num_tokens = start + n
+
+    def blocks_needed(self, plan: list[tuple[BlockTable, int]]) -> int:
+        """Fresh blocks `reserve(plan)` takes: new ones, and copies of shared blocks written."""
+        need = 0
+        for table, n in plan:
+            start = table.num_tokens
+            need += self.blocks_for(start + n) - len(table.blocks)
+            need += (
+                start % self.block_size != 0
+                and self.pool.refcount(table.blocks[start // self.block_size]) > 1
+            )
+        return need
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second holder of the same KV (a beam, a parallel sample): shares every block."""
@@ -128,6 +139,22 @@ class KVCacheManager:
         for b in src:
             self.pool.decref(b)
 
+    def slot_usage(self, tables: Iterable[BlockTable]) -> tuple[int, int]:
+        """(token slots holding KV, token slots in blocks in use). A cached block holds its
+        node's tokens; a sequence's own block holds its positions up to the sequence's length;
+        a block several holders share counts once, at its fullest."""
+        B = self.block_size
+        filled: dict[int, int] = {}
+        if self.cache is not None:
+            for node in self.cache.nodes():
+                if node.blocks:
+                    filled.update(dict.fromkeys(node.blocks[:-1], B))
+                    filled[node.blocks[-1]] = len(node.tokens) - (len(node.blocks) - 1) * B
+        for table in tables:
+            for i, b in enumerate(table.blocks):
+                filled[b] = max(filled.get(b, 0), min(B, table.num_tokens - i * B))
+        return sum(filled.values()), (self.pool.num_blocks - self.pool.num_free) * B
+
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
         """Every block is free or referenced, never both; each refcount equals the references
         held by the cache, the live tables and the pending copies; locks equal the tables'."""
@@ -144,7 +171,7 @@ class KVCacheManager:
         if self.cache is not None:
             self.cache.check_invariants()
             refs.update(self.cache.referenced_blocks())
-            for node in self.cache._nodes():
+            for node in self.cache.nodes():
                 if node is not self.cache.root:
                     assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
         free = self.pool.free_blocks()

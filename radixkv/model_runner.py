@@ -10,7 +10,7 @@ logits go through `lm_head`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -33,6 +33,15 @@ class SequenceChunk:
     start_pos: int
     block_table: list[int]
     logits: Literal["last", "all", "none"] = "last"
+
+
+class StepInputs(NamedTuple):
+    """Device tensors of one step: the flattened batch as one row and the rows that get logits."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logit_rows: torch.Tensor
+    paged_batch: PagedBatch
 
 
 class ModelRunner:
@@ -67,20 +76,25 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("forward needs at least one SequenceChunk")
-        input_ids, positions, logit_rows, batch = self._build_batch(chunks)
+        step = self._build_batch(chunks)
         output = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
             use_cache=False,
-            logits_to_keep=logit_rows,
-            paged_batch=batch,
+            logits_to_keep=step.logit_rows,
+            paged_batch=step.paged_batch,
         )
         return output.logits[0].float()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write)."""
+        """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write).
+
+        The pairs are copied in parallel, so destinations must be distinct and not among the sources.
+        """
         if len(src) != len(dst):
             raise ValueError(f"copy_blocks got {len(src)} sources but {len(dst)} destinations")
+        if len(set(dst)) != len(dst) or set(dst) & set(src):
+            raise ValueError(f"copy_blocks destinations must be distinct and not sources, got {src} -> {dst}")
         if not src:
             return
         self._check_block_ids(src + dst)
@@ -89,9 +103,7 @@ class ModelRunner:
         for k_cache, v_cache in zip(self.k_caches, self.v_caches, strict=True):
             kernels.copy_blocks(k_cache, v_cache, src_t, dst_t)
 
-    def _build_batch(
-        self, chunks: list[SequenceChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedBatch]:
+    def _build_batch(self, chunks: list[SequenceChunk]) -> StepInputs:
         """Host-side metadata for one step, built on the CPU and moved to the device once."""
         bs = self.block_size
         max_len = self.loaded.max_model_len
@@ -143,9 +155,12 @@ class ModelRunner:
             seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             query_start_loc=to_device(query_start_loc),
         )
-        input_ids = to_device(torch.tensor(token_ids, dtype=torch.int64)).unsqueeze(0)
-        logits_index = to_device(torch.tensor(logit_rows, dtype=torch.int64))
-        return input_ids, to_device(pos).unsqueeze(0), logits_index, batch
+        return StepInputs(
+            input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)).unsqueeze(0),
+            position_ids=to_device(pos).unsqueeze(0),
+            logit_rows=to_device(torch.tensor(logit_rows, dtype=torch.int64)),
+            paged_batch=batch,
+        )
 
     def _check_block_ids(self, blocks: list[int]) -> None:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import xxhash
@@ -44,8 +45,15 @@ class RadixNode:
         "tokens",
     )
 
-    def __init__(self, node_id: int, parent: RadixNode | None, start: int, tokens: list[int],
-                 blocks: list[int], last_access: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: int,
+        parent: RadixNode | None,
+        start: int,
+        tokens: list[int],
+        blocks: list[int],
+        last_access: int,
+    ) -> None:
         self.id = node_id
         self.parent = parent
         self.start = start  # tokens before this edge; a multiple of block_size
@@ -129,6 +137,11 @@ class RadixCache:
         if partial is not None:
             blocks.append(partial.blocks[0])
         return MatchResult(node, matched, blocks)
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` are cached; changes nothing (no split, no touch)."""
+        _, pos, _, common = self._walk(tokens, touch=False)
+        return pos + common
 
     def insert(self, tokens: list[int], blocks: list[int]) -> InsertResult:
         """Caches `tokens` whose KV is in `blocks` (at least `ceil(len(tokens) / block_size)`).
@@ -227,7 +240,7 @@ class RadixCache:
         return out
 
     def referenced_blocks(self) -> list[int]:
-        return [b for node in self._nodes() for b in node.blocks]
+        return [b for node in self.nodes() for b in node.blocks]
 
     def check_invariants(self) -> None:
         """Structure, keys, sizes and the evictable set agree with a recount from scratch."""
@@ -235,7 +248,7 @@ class RadixCache:
         evictable = protected = 0
         leaves = set()
         seen: set[int] = set()
-        for node in self._nodes():
+        for node in self.nodes():
             if node is self.root:
                 continue
             p = node.parent
@@ -257,7 +270,7 @@ class RadixCache:
                 evictable += len(node.blocks)
                 if not node.children:
                     leaves.add(node.id)
-        for node in self._nodes():
+        for node in self.nodes():
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), f"{node} index"
         assert (evictable, protected) == (self.evictable_size, self.protected_size), (
             f"sizes {self.evictable_size}/{self.protected_size}, recount {evictable}/{protected}"
@@ -271,7 +284,8 @@ class RadixCache:
     def _leaf_key(self, node: RadixNode) -> tuple:
         return (self.policy.key(node), node.id)
 
-    def _nodes(self):
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node, the root included, in no particular order."""
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -382,8 +396,9 @@ class RadixCache:
         half, which takes `node`'s place under the same key; `node` keeps the rest."""
         B = self.block_size
         parent, nb = node.parent, at // B
-        mid = RadixNode(next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb],
-                        node.last_access)  # fmt: skip
+        mid = RadixNode(
+            next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb], node.last_access
+        )
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
         parent.children[block_key(mid.tokens[:B])] = mid
         siblings = parent.by_first[mid.tokens[0]]
@@ -399,8 +414,13 @@ class RadixCache:
             self._leaves.add(parent)
 
 
-def _common_len(edge: list[int], i: int, tokens: list[int], j: int, block_size: int,
-                limit: int | None = None) -> int:  # fmt: skip
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    return _common_len(a, 0, b, 0, 64)
+
+
+def _common_len(
+    edge: list[int], i: int, tokens: list[int], j: int, block_size: int, limit: int | None = None
+) -> int:
     """Length of the common run of `edge[i:]` and `tokens[j:]` (at most `limit`), compared a
     block at a time so long equal runs cost one C-level comparison per block."""
     n = min(len(edge) - i, len(tokens) - j)

@@ -28,6 +28,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range. Run again at submission, since
+        a caller may have changed a field after construction."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -40,7 +45,8 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -51,18 +57,25 @@ class SamplingParams:
 class BeamSearchParams:
     """Beam search for `Engine.beam_search`, with the semantics of transformers' `generate`.
 
-    A finished hypothesis scores `sum(logprobs) / length ** length_penalty`, its length counting
-    the prompt as transformers does. `early_stopping=True` stops once `beam_width` hypotheses are
-    finished; False stops when no running beam can still beat the worst finished one.
+    A finished hypothesis scores `sum(logprobs) / generated_length ** length_penalty`, as
+    transformers scores it. `early_stopping=True` stops once `beam_width` hypotheses are
+    finished; False stops when the best running beam, scored at its current length, cannot beat
+    the worst finished one; "never" scores it at the longest length it could still reach.
     """
 
     beam_width: int = 4
     max_tokens: int = 16
     length_penalty: float = 1.0
-    early_stopping: bool = True
+    early_stopping: bool | str = True
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -91,7 +91,7 @@ def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: i
         hits += table.num_tokens
         tokens = req.prompt + req.output
         try:
-            kv.reserve(table, len(tokens) - table.num_tokens)
+            kv.reserve([(table, len(tokens) - table.num_tokens)])
         except OutOfBlocks:  # longer than the whole cache: served, but not cached
             kv.release(table)
             continue
@@ -133,9 +133,11 @@ def simulate(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace_or_workload", help="a hash-id trace (Mooncake style) or a workload file")
     parser.add_argument(
-        "--capacity-blocks", required=True, type=_capacities,
+        "--capacity-blocks",
+        required=True,
+        type=_capacities,
         help="cache size in blocks, or a comma-separated sweep like 1000,4000,16000",
-    )  # fmt: skip
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
@@ -158,13 +160,17 @@ def run(args: argparse.Namespace, load_tokenizer: Callable[[str], Any]) -> int:
         print()
         return 0
     r0 = results[0]
-    print(f"{path.name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, "
-          f"block size {r0.block_size}, {r0.eviction}")  # fmt: skip
+    print(
+        f"{path.name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, "
+        f"block size {r0.block_size}, {r0.eviction}"
+    )
     print(f"{'capacity (blocks)':>18} {'hit rate':>9} {'ideal':>7} {'of ideal':>9} {'tokens/s':>11}")
     for r in results:
         share = r.hit_rate / r.ideal_hit_rate if r.ideal_hit_rate else 0.0
-        print(f"{r.capacity_blocks:>18} {r.hit_rate:>9.3f} {r.ideal_hit_rate:>7.3f} {share:>9.2f} "
-              f"{r.tokens_per_s:>11,.0f}")  # fmt: skip
+        print(
+            f"{r.capacity_blocks:>18} {r.hit_rate:>9.3f} {r.ideal_hit_rate:>7.3f} {share:>9.2f} "
+            f"{r.tokens_per_s:>11,.0f}"
+        )
     return 0
 
 

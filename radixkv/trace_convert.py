@@ -58,8 +58,11 @@ def convert_mooncake(path: str | Path, p: MooncakeParams) -> list[Session]:
     tokens = vocab_of(p).hash_tokens(p.hash_block)
     start = min(r.arrival_s for r in requests)
     return [
-        Session(f"r{i}", [Turn(tokens.tokens(r.hash_ids), _max_tokens(r.output_length, p.max_tokens_cap))],
-                round((r.arrival_s - start) * p.time_scale, 6))
+        Session(
+            f"r{i}",
+            [Turn(tokens.tokens(r.hash_ids), _max_tokens(r.output_length, p.max_tokens_cap))],
+            round((r.arrival_s - start) * p.time_scale, 6),
+        )
         for i, r in enumerate(requests)
         if r.hash_ids
     ]
@@ -135,8 +138,14 @@ def _common_prefix(tokens: HashIdTokens, p: ClaudeCodeParams) -> list[int] | Non
     return tokens.tokens(list(range(-1, -1 - math.ceil(n / p.hash_block), -1)))[:n] or None
 
 
-def _split_session(name: str, arrival: float, requests: list[_AgentRequest], tokens: HashIdTokens,
-                   common: list[int] | None, p: ClaudeCodeParams) -> list[Session]:
+def _split_session(
+    name: str,
+    arrival: float,
+    requests: list[_AgentRequest],
+    tokens: HashIdTokens,
+    common: list[int] | None,
+    p: ClaudeCodeParams,
+) -> list[Session]:
     pieces: list[Session] = []
     current: dict[str, tuple[Session, _AgentRequest]] = {}
     for r in requests:
@@ -149,12 +158,15 @@ def _split_session(name: str, arrival: float, requests: list[_AgentRequest], tok
             think = max(0.0, r.t_s - last.t_s) * p.time_scale
             if p.max_think is not None:
                 think = min(think, p.max_think)
-            added = tokens.tokens(r.hash_ids[len(last.hash_ids):])
+            added = tokens.tokens(r.hash_ids[len(last.hash_ids) :])
             session.turns.append(Turn(added, max_tokens, round(think, 6)))
         else:
-            session = Session(f"{name}#{len(pieces)}" if pieces else name,
-                              [Turn(tokens.tokens(r.hash_ids), max_tokens)],
-                              round(arrival + r.t_s * p.time_scale, 6), common)
+            session = Session(
+                f"{name}#{len(pieces)}" if pieces else name,
+                [Turn(tokens.tokens(r.hash_ids), max_tokens)],
+                round(arrival + r.t_s * p.time_scale, 6),
+                common,
+            )
             pieces.append(session)
         current[r.agent] = (session, r)
     return pieces
@@ -177,8 +189,15 @@ def _read_agent_trace(path: Path) -> list[_AgentRequest]:
             t_s = float(row["t_session_s"])
             if not t_s >= 0:
                 raise ValueError(f"t_session_s must be >= 0, got {t_s}")
-            requests.append(_AgentRequest(str(row["session_id"]), str(row.get("agent", "main")), t_s,
-                                          int(row.get("output_length", 0)), tuple(ids)))
+            requests.append(
+                _AgentRequest(
+                    str(row["session_id"]),
+                    str(row.get("agent", "main")),
+                    t_s,
+                    int(row.get("output_length", 0)),
+                    tuple(ids),
+                )
+            )
         except KeyError as e:
             raise TraceFormatError(f"{path}:{lineno}: not a coding-agent trace line: missing {e}") from None
         except (ValueError, TypeError) as e:
@@ -192,8 +211,9 @@ class ShareGPTParams:
 
     system: Annotated[str | None, Flag("system prompt text shared by all sessions")] = None
     max_tokens_cap: Annotated[int, Flag("cap on a reply's max_tokens", minimum=1)] = 512
-    tokenizer: Annotated[str | None, Flag("Hugging Face tokenizer (name or path) counting reply tokens "
-                                          "instead of UTF-8 bytes")] = None
+    tokenizer: Annotated[
+        str | None, Flag("Hugging Face tokenizer (name or path) counting reply tokens instead of UTF-8 bytes")
+    ] = None
     max_sessions: Annotated[int | None, Flag("convert only the first N conversations", minimum=1)] = None
     max_turns: Annotated[int | None, Flag("keep a conversation's first N turns", minimum=1)] = None
     rate: Annotated[float, Flag("session arrivals per second (Poisson; inf: all at 0)")] = 1.0

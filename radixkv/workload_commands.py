@@ -98,8 +98,9 @@ def describe(sessions: list[Session]) -> str:
     return text
 
 
-def _make(words: list[str], params_cls: type, make: Callable[[Any], list[Session]],
-          args: argparse.Namespace) -> int:
+def _make(
+    words: list[str], params_cls: type, make: Callable[[Any], list[Session]], args: argparse.Namespace
+) -> int:
     try:
         params = params_cls(**{f.name: getattr(args, f.name) for f in fields(params_cls)})
         sessions = make(params)
@@ -144,8 +145,14 @@ def _add_params(parser: argparse.ArgumentParser, params_cls: type) -> None:
         else:
             convert = next((a for a in typing.get_args(base) if a is not type(None)), base)
         shown = "" if f.default is None else f" (default: {_format(f.default)})"
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert, default=f.default,
-                            metavar="MIN-MAX" if base == IntRange else None, help=flag.help + shown)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=convert,
+            default=f.default,
+            metavar="MIN-MAX" if base == IntRange else None,
+            help=flag.help + shown,
+        )
 
 
 def _summary(obj: Any) -> str:

@@ -232,8 +232,9 @@ def generate_docs(p: DocsParams) -> list[Session]:
         if originals and rng.random() < p.repeat:
             first = originals[int(rng.integers(len(originals)))]
             turn = first.turns[0]
-            sessions.append(Session(f"{first.name}.r{j}", [Turn(list(turn.user), turn.max_tokens)], arrival,
-                                    first.system))
+            sessions.append(
+                Session(f"{first.name}.r{j}", [Turn(list(turn.user), turn.max_tokens)], arrival, first.system)
+            )
             continue
         name, context = contexts[int(rng.integers(len(contexts)))]
         turn = Turn(vocab.draw(rng, _uniform(rng, p.question_tokens)), _uniform(rng, p.answer_tokens))

@@ -1,16 +1,19 @@
 """Shared fixtures: tiny seeded float32 models on the CPU, small enough for the Triton interpreter.
 
-Each fixture builds a fresh model (a few milliseconds), because a `ModelRunner` binds the model's
-attention to its paged cache; a test that wants transformers' own forward as the oracle takes
-`copy.deepcopy(loaded.model)` before building the runner. Weights use initializer range 0.3 so
-that greedy choices are not near-ties (see `radixkv.presets`).
+Each `LoadedModel` fixture builds a fresh model (a few milliseconds), because a `ModelRunner`
+binds the model's attention to its paged cache; a test that wants transformers' own forward as the
+oracle takes `copy.deepcopy(loaded.model)` before building the runner, or uses the session-wide
+`reference_models` (never bound) with `model_folders` holding the same weights on disk. Weights
+use initializer range 0.3 so that greedy choices are not near-ties (see `radixkv.presets`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, PreTrainedModel, Qwen2Config
 
 from radixkv.model_loader import LoadedModel, build_random_model
 from radixkv.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -30,6 +33,14 @@ TINY_SIZES = {
 }
 
 
+def _llama_gqa_config() -> PretrainedConfig:
+    return LlamaConfig(architectures=["LlamaForCausalLM"], head_dim=16, **TINY_SIZES)
+
+
+def _qwen2_config() -> PretrainedConfig:
+    return Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **TINY_SIZES)
+
+
 def _build(config: PretrainedConfig, name: str) -> LoadedModel:
     return build_random_model(
         config, dtype=torch.float32, device="cpu", seed=0, tokenizer=build_byte_tokenizer(), name=name
@@ -39,15 +50,13 @@ def _build(config: PretrainedConfig, name: str) -> LoadedModel:
 @pytest.fixture
 def llama_gqa() -> LoadedModel:
     """Llama, 2 layers, 4 query heads over 2 KV heads of dim 16, untied embeddings."""
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], head_dim=16, **TINY_SIZES)
-    return _build(config, "test-llama-gqa")
+    return _build(_llama_gqa_config(), "test-llama-gqa")
 
 
 @pytest.fixture
 def qwen2() -> LoadedModel:
     """Qwen2 of the same size, with (random, nonzero) q/k/v bias and tied embeddings."""
-    config = Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **TINY_SIZES)
-    return _build(config, "test-qwen2")
+    return _build(_qwen2_config(), "test-qwen2")
 
 
 @pytest.fixture
@@ -61,3 +70,29 @@ def mistral() -> LoadedModel:
 def tiny_model(request: pytest.FixtureRequest) -> LoadedModel:
     """Each of the two main architectures in turn."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def reference_models() -> dict[str, PreTrainedModel]:
+    """The `llama_gqa` and `qwen2` weights as plain transformers models ("llama", "qwen2").
+
+    Shared by the session and never bound to a runner: the oracle for `generate` comparisons.
+    """
+    return {
+        "llama": _build(_llama_gqa_config(), "llama").model,
+        "qwen2": _build(_qwen2_config(), "qwen2").model,
+    }
+
+
+@pytest.fixture(scope="session")
+def model_folders(
+    reference_models: dict[str, PreTrainedModel], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """`save_pretrained` folders (config, safetensors, byte tokenizer) of `reference_models`, same keys."""
+    folders = {}
+    for name, model in reference_models.items():
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        build_byte_tokenizer().save_pretrained(folder)
+        folders[name] = folder
+    return folders

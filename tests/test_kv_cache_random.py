@@ -55,18 +55,29 @@ class Harness:
         self.append(len(self.live) - 1, len(tokens) - table.num_tokens)
 
     def append(self, i: int, n: int) -> None:
-        table, tokens = self.live[i]
-        while len(tokens) < table.num_tokens + n:
-            tokens.append(self.rng.randrange(3))
-        start = table.num_tokens
+        self.grow([(i, n)])
+
+    def grow(self, plan: list[tuple[int, int]]) -> None:
+        """Grows several live sequences in one all-or-nothing reservation, as a request's
+        sequences (samples, beams) grow together."""
+        starts = []
+        for i, n in plan:
+            table, tokens = self.live[i]
+            while len(tokens) < table.num_tokens + n:
+                tokens.append(self.rng.randrange(3))
+            starts.append(table.num_tokens)
         try:
-            self.kv.reserve(table, n)
+            self.kv.reserve([(self.live[i][0], n) for i, n in plan])
         except OutOfBlocks:
-            assert table.num_tokens == start
+            assert [self.live[i][0].num_tokens for i, _ in plan] == starts, (
+                "a failed reservation changed a table"
+            )
             return
         self.kv.run_copies(self.copy)
-        for p in range(start, start + n):
-            self.slots[table.blocks[p // self.B], p % self.B] = tokens[p]
+        for (i, n), start in zip(plan, starts, strict=True):
+            table, tokens = self.live[i]
+            for p in range(start, start + n):
+                self.slots[table.blocks[p // self.B], p % self.B] = tokens[p]
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         self.slots[dst] = self.slots[src]
@@ -85,9 +96,12 @@ class Harness:
             self.admit()
         elif op < 0.45:
             self.append(self.rng.randrange(len(self.live)), self.rng.randrange(1, 2 * self.B + 2))
-        elif op < 0.55:
+        elif op < 0.5:
             table, tokens = self.rng.choice(self.live)
             self.live.append((self.kv.fork(table), list(tokens)))
+        elif op < 0.55:
+            picked = self.rng.sample(range(len(self.live)), min(3, len(self.live)))
+            self.grow([(i, self.rng.randrange(1, self.B + 2)) for i in picked])
         elif op < 0.65:
             table, tokens = self.rng.choice(self.live)
             self.kv.cache_running(table, tokens)

@@ -150,3 +150,13 @@ def test_bad_chunks_are_refused(mistral: LoadedModel) -> None:
         runner.forward([SequenceChunk([1], 0, [8])])
     with pytest.raises(ValueError, match="no new tokens"):
         runner.forward([SequenceChunk([], 0, [0])])
+
+
+def test_copy_blocks_refuses_pairs_it_cannot_copy_in_parallel(llama_gqa: LoadedModel) -> None:
+    runner = ModelRunner(llama_gqa, num_blocks=6, block_size=4)
+    with pytest.raises(ValueError, match="distinct and not sources"):
+        runner.copy_blocks([1, 2], [2, 3])
+    with pytest.raises(ValueError, match="distinct and not sources"):
+        runner.copy_blocks([1, 2], [4, 4])
+    with pytest.raises(ValueError, match="block ids"):
+        runner.copy_blocks([1], [6])

@@ -67,14 +67,38 @@ def test_next_turn_hits_the_previous_prompt_and_reply():
 
 def test_simulate_json_has_the_contract_fields(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 10 * i, "input_length": 30, "output_length": 2, "hash_ids": [0, 1, i + 2]}
-            for i in range(5)]  # fmt: skip
+    rows = [
+        {"timestamp": 10 * i, "input_length": 30, "output_length": 2, "hash_ids": [0, 1, i + 2]}
+        for i in range(5)
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["simulate", str(trace), "--capacity-blocks", "8", "--hash-block", "4",
-                 "--block-size", "4", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                str(trace),
+                "--capacity-blocks",
+                "8",
+                "--hash-block",
+                "4",
+                "--block-size",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
-    for key in ("requests", "prompt_tokens", "hit_tokens", "hit_rate", "ideal_hit_rate",
-                "capacity_blocks", "block_size", "eviction"):  # fmt: skip
+    for key in (
+        "requests",
+        "prompt_tokens",
+        "hit_tokens",
+        "hit_rate",
+        "ideal_hit_rate",
+        "capacity_blocks",
+        "block_size",
+        "eviction",
+    ):
         assert key in out
     assert out["requests"] == 5 and out["prompt_tokens"] == 60
     assert out["hit_tokens"] == 4 * 8  # each later request finds the two shared ids
@@ -90,8 +114,22 @@ def test_bad_capacity_is_refused(capsys):
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the shared Mooncake trace is not present")
 def test_mooncake_lru_hit_rates_match_the_reference_table(capsys):
     expected = {1000: 0.084, 4000: 0.235, 16000: 0.530}
-    assert main(["simulate", str(MOONCAKE), "--hash-block", "16", "--block-size", "16",
-                 "--capacity-blocks", "1000,4000,16000", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                str(MOONCAKE),
+                "--hash-block",
+                "16",
+                "--block-size",
+                "16",
+                "--capacity-blocks",
+                "1000,4000,16000",
+                "--json",
+            ]
+        )
+        == 0
+    )
     for row in json.loads(capsys.readouterr().out):
         assert row["hit_rate"] == pytest.approx(expected[row["capacity_blocks"]], abs=0.01)
         assert row["ideal_hit_rate"] == pytest.approx(0.640, abs=0.01)

@@ -66,8 +66,14 @@ def test_mooncake_arrivals_start_at_zero_and_replies_are_capped(tmp_path: Path) 
 
 
 def _agent(session: int, t: float, ids: list[int], agent: str = "main", out: int = 10) -> dict[str, object]:
-    return {"session_id": session, "agent": agent, "t_session_s": t, "input_length": 64 * len(ids),
-            "output_length": out, "hash_ids": ids}
+    return {
+        "session_id": session,
+        "agent": agent,
+        "t_session_s": t,
+        "input_length": 64 * len(ids),
+        "output_length": out,
+        "hash_ids": ids,
+    }
 
 
 CLAUDE_CODE = [
@@ -140,8 +146,13 @@ def _chat(*messages: tuple[str, str]) -> dict[str, object]:
 
 
 SHAREGPT = [
-    _chat(("human", "Bonjour"), ("gpt", "Salut, ça va ?"), ("human", "Oui"), ("gpt", "x" * 900),
-          ("human", "end")),
+    _chat(
+        ("human", "Bonjour"),
+        ("gpt", "Salut, ça va ?"),
+        ("human", "Oui"),
+        ("gpt", "x" * 900),
+        ("human", "end"),
+    ),
     _chat(("gpt", "I start"), ("human", "a"), ("human", "b"), ("gpt", "你好")),
     _chat(("human", "no reply")),
     _chat(("user", "q"), ("assistant", "r")),
@@ -167,11 +178,14 @@ def test_sharegpt_reads_a_json_array_too(tmp_path: Path) -> None:
     assert convert_sharegpt(array, ShareGPTParams()) == convert_sharegpt(lines, ShareGPTParams())
 
 
-@pytest.mark.parametrize(("row", "message"), [
-    (_chat(("robot", "hi")), "unknown role 'robot'"),
-    ({"messages": []}, "missing 'conversations'"),
-    ("{not json", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (_chat(("robot", "hi")), "unknown role 'robot'"),
+        ({"messages": []}, "missing 'conversations'"),
+        ("{not json", "invalid JSON"),
+    ],
+)
 def test_sharegpt_malformed_line_names_file_and_line(tmp_path: Path, row: object, message: str) -> None:
     path = _jsonl(tmp_path / "sg.jsonl", [SHAREGPT[0], row])
     with pytest.raises(TraceFormatError, match=rf"sg\.jsonl:2: .*{message}"):

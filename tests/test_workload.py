@@ -10,12 +10,20 @@ import pytest
 from radixkv.workload import Session, Turn, WorkloadError, read_workload, write_workload
 
 GOOD_TEXT = {
-    "session": "t0", "arrival": 0.5, "system": "You are terse.",
-    "turns": [{"user": "Hello", "max_tokens": 32, "think": 0.0},
-              {"user": "More", "max_tokens": 16, "think": 1.5}],
+    "session": "t0",
+    "arrival": 0.5,
+    "system": "You are terse.",
+    "turns": [
+        {"user": "Hello", "max_tokens": 32, "think": 0.0},
+        {"user": "More", "max_tokens": 16, "think": 1.5},
+    ],
 }
-GOOD_IDS = {"session": "i0", "arrival": 0, "system_ids": [1, 2, 3],
-            "turns": [{"user_ids": [4, 5], "max_tokens": 2}]}
+GOOD_IDS = {
+    "session": "i0",
+    "arrival": 0,
+    "system_ids": [1, 2, 3],
+    "turns": [{"user_ids": [4, 5], "max_tokens": 2}],
+}
 
 
 def _write_lines(path: Path, rows: list[object]) -> Path:
@@ -76,10 +84,14 @@ MALFORMED = [
     ({"session": "x", "turns": [{"max_tokens": 1}]}, "turns[0] needs exactly one of user"),
     (_session(system="text"), "give system or system_ids, not both"),
     ({"session": "x", "system": "text", "turns": [{"user_ids": [1], "max_tokens": 1}]}, "mixes text"),
-    (_session(system_ids=None, turns=[{"user": "a", "max_tokens": 1}, {"user_ids": [1], "max_tokens": 1}]),
-     "system_ids must be a non-empty list"),
-    ({"session": "x", "turns": [{"user": "a", "max_tokens": 1}, {"user_ids": [1], "max_tokens": 1}]},
-     "mixes text"),
+    (
+        _session(system_ids=None, turns=[{"user": "a", "max_tokens": 1}, {"user_ids": [1], "max_tokens": 1}]),
+        "system_ids must be a non-empty list",
+    ),
+    (
+        {"session": "x", "turns": [{"user": "a", "max_tokens": 1}, {"user_ids": [1], "max_tokens": 1}]},
+        "mixes text",
+    ),
     (_session(turn=[]), "turn is not a known key"),
     (_turn(max_token=4), "turns[1].max_token is not a known key"),
     ({"format": "radixkv-workload", "version": 1}, "the metadata line must be the first line"),
@@ -101,11 +113,14 @@ def test_duplicate_session_name_names_both_lines(tmp_path: Path) -> None:
         read_workload(path)
 
 
-@pytest.mark.parametrize(("meta", "message"), [
-    ({"format": "other-format", "version": 1}, "format must be 'radixkv-workload'"),
-    ({"format": "radixkv-workload", "version": 2}, "version 2 is not supported"),
-    ({"format": "radixkv-workload"}, "version None is not supported"),
-])
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"format": "other-format", "version": 1}, "format must be 'radixkv-workload'"),
+        ({"format": "radixkv-workload", "version": 2}, "version 2 is not supported"),
+        ({"format": "radixkv-workload"}, "version None is not supported"),
+    ],
+)
 def test_bad_metadata_line_fails_the_file(tmp_path: Path, meta: dict[str, object], message: str) -> None:
     path = _write_lines(tmp_path / "w.jsonl", [meta, GOOD_IDS])
     with pytest.raises(WorkloadError, match=rf"w\.jsonl:1: {message}"):
@@ -132,12 +147,15 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
     assert json.loads(path.read_text(encoding="utf-8").splitlines()[0])["format"] == "radixkv-workload"
 
 
-@pytest.mark.parametrize(("sessions", "message"), [
-    ([Session("a", [Turn([1], 1)], system="text")], r"sessions\[0\]: mixes text"),
-    ([Session("a", [Turn([1], 0)])], r"sessions\[0\]: turns\[0\].max_tokens must be an integer >= 1"),
-    ([Session("a", [Turn([1], 1)]), Session("a", [Turn([2], 1)])], r"sessions\[1\]: session 'a' appears"),
-    ([], "no sessions to write"),
-])
+@pytest.mark.parametrize(
+    ("sessions", "message"),
+    [
+        ([Session("a", [Turn([1], 1)], system="text")], r"sessions\[0\]: mixes text"),
+        ([Session("a", [Turn([1], 0)])], r"sessions\[0\]: turns\[0\].max_tokens must be an integer >= 1"),
+        ([Session("a", [Turn([1], 1)]), Session("a", [Turn([2], 1)])], r"sessions\[1\]: session 'a' appears"),
+        ([], "no sessions to write"),
+    ],
+)
 def test_writer_refuses_what_reader_rejects(tmp_path: Path, sessions: list[Session], message: str) -> None:
     path = tmp_path / "w.jsonl"
     with pytest.raises(WorkloadError, match=message):

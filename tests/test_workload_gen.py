@@ -28,13 +28,43 @@ from radixkv.workload_gen import (
 REPO = Path(__file__).resolve().parents[1]
 
 SMALL: list[tuple[Callable[[Any], list[Session]], Any]] = [
-    (generate_chat, ChatParams(sessions=9, groups=3, turns=(2, 4), common_prefix_tokens=40,
-                               group_prefix_tokens=60, user_tokens=(5, 9), reply_tokens=(3, 6), think=0.5)),
-    (generate_shared_prefix, SharedPrefixParams(groups=3, prompts_per_group=4, system_tokens=(50, 70),
-                                                question_tokens=(5, 8), output_tokens=(2, 4))),
-    (generate_docs, DocsParams(documents=2, document_tokens=(80, 120), few_shot=3, shots=3,
-                               shot_tokens=(5, 9), questions=40, question_tokens=(4, 6), answer_tokens=(2, 3),
-                               repeat=0.3)),
+    (
+        generate_chat,
+        ChatParams(
+            sessions=9,
+            groups=3,
+            turns=(2, 4),
+            common_prefix_tokens=40,
+            group_prefix_tokens=60,
+            user_tokens=(5, 9),
+            reply_tokens=(3, 6),
+            think=0.5,
+        ),
+    ),
+    (
+        generate_shared_prefix,
+        SharedPrefixParams(
+            groups=3,
+            prompts_per_group=4,
+            system_tokens=(50, 70),
+            question_tokens=(5, 8),
+            output_tokens=(2, 4),
+        ),
+    ),
+    (
+        generate_docs,
+        DocsParams(
+            documents=2,
+            document_tokens=(80, 120),
+            few_shot=3,
+            shots=3,
+            shot_tokens=(5, 9),
+            questions=40,
+            question_tokens=(4, 6),
+            answer_tokens=(2, 3),
+            repeat=0.3,
+        ),
+    ),
 ]
 
 
@@ -80,8 +110,9 @@ def test_chat_groups_share_their_system_prompt_and_all_share_the_common_prefix()
 
 
 def test_chat_group_prefix_lengths_are_lognormal_around_the_mean() -> None:
-    params = ChatParams(sessions=400, groups=400, turns=(1, 1), common_prefix_tokens=0,
-                        group_prefix_tokens=1000)
+    params = ChatParams(
+        sessions=400, groups=400, turns=(1, 1), common_prefix_tokens=0, group_prefix_tokens=1000
+    )
     lengths = [len(s.system or []) for s in generate_chat(params)]
     assert 900 < np.mean(lengths) < 1100 and min(lengths) >= 1 and max(lengths) <= 5000
     assert np.median(lengths) < np.mean(lengths)
@@ -124,14 +155,17 @@ def test_poisson_arrivals_have_the_requested_rate() -> None:
         poisson_arrivals(np.random.default_rng(0), 3, 0.0)
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: ChatParams(sessions=2, groups=3), r"--groups \(3\) must be at most --sessions \(2\)"),
-    (lambda: ChatParams(turns=(4, 2)), "--turns 4-2: the low end is above the high end"),
-    (lambda: ChatParams(user_tokens=(0, 3)), "--user-tokens must be >= 1, got 0"),
-    (lambda: ChatParams(vocab_low=256), "need 0 <= --vocab-low < --vocab-size"),
-    (lambda: DocsParams(repeat=1.5), r"--repeat must be in \[0, 1\], got 1.5"),
-    (lambda: DocsParams(documents=0, few_shot=0), "need at least one context"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ChatParams(sessions=2, groups=3), r"--groups \(3\) must be at most --sessions \(2\)"),
+        (lambda: ChatParams(turns=(4, 2)), "--turns 4-2: the low end is above the high end"),
+        (lambda: ChatParams(user_tokens=(0, 3)), "--user-tokens must be >= 1, got 0"),
+        (lambda: ChatParams(vocab_low=256), "need 0 <= --vocab-low < --vocab-size"),
+        (lambda: DocsParams(repeat=1.5), r"--repeat must be in \[0, 1\], got 1.5"),
+        (lambda: DocsParams(documents=0, few_shot=0), "need at least one context"),
+    ],
+)
 def test_bad_parameters_name_the_flag(make: Callable[[], Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()

@@ -1,0 +1,121 @@
+"""KV cache writes: store the new tokens' K/V into their slots, copy whole blocks (copy-on-write).
+
+Both move rows of elements: a token's Hkv * D values for store_kv, a block's block_size * Hkv * D
+values for copy_blocks. A program moves a [rows, cols] tile of them, sized by launch_plan.plan_copy.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from kernels.launch_plan import plan_copy
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, ROW_LEN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    elem = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    head, d = elem // HEAD_DIM, elem % HEAD_DIM
+    mask = (slot >= 0)[:, None] & (elem < ROW_LEN)[None, :]
+    slot_row = slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs
+    dst = slot_row[:, None] + (head * stride_ch + d)[None, :]
+    k = tl.load(k_ptr + token[:, None] * stride_kt + (head * stride_kh + d)[None, :], mask=mask)
+    v = tl.load(v_ptr + token[:, None] * stride_vt + (head * stride_vh + d)[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, num_pairs, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, TOKEN_LEN: tl.constexpr, BLOCK_LEN: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    elem = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
+    live = pair < num_pairs
+    src = tl.load(src_ptr + pair, mask=live, other=0).to(tl.int64) * stride_cb
+    dst = tl.load(dst_ptr + pair, mask=live, other=0).to(tl.int64) * stride_cb
+    inner = elem // TOKEN_LEN * stride_cs + elem % TOKEN_LEN // HEAD_DIM * stride_ch + elem % HEAD_DIM
+    mask = live[:, None] & (elem < BLOCK_LEN)[None, :]
+    k = tl.load(k_cache_ptr + src[:, None] + inner[None, :], mask=mask)
+    v = tl.load(v_cache_ptr + src[:, None] + inner[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst[:, None] + inner[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + dst[:, None] + inner[None, :], v, mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write token t's K/V ([T, Hkv, D] each) into slot slot_mapping[t] = block * block_size + offset of
+    k_cache/v_cache ([num_blocks, block_size, Hkv, D]); a slot of -1 skips the token."""
+    check_cache(k_cache, v_cache)
+    check_kernel_device("k_cache", k_cache)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[1:] != k_cache.shape[2:] or t.dtype != k_cache.dtype or t.stride(2) != 1:
+            raise ValueError(
+                f"{name} must be [T, Hkv, D] = [*, {num_kv_heads}, {head_dim}] with k_cache's dtype "
+                f"{k_cache.dtype} and a contiguous last dimension, got {tuple(t.shape)}, {t.dtype}"
+            )
+        check_same_device(name, t, k_cache.device)
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    num_tokens = k.shape[0]
+    check_index("slot_mapping", slot_mapping, (num_tokens,), k_cache.device)
+    if num_tokens == 0:
+        return
+    row_len = num_kv_heads * head_dim
+    plan = plan_copy(num_tokens, row_len)
+    _store_kv_kernel[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, ROW_LEN=row_len, BLOCK_SIZE=block_size, ROWS=plan.rows, COLS=plan.cols,
+    )
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: Sequence[int] | torch.Tensor,
+    dst: Sequence[int] | torch.Tensor,
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] in both caches (copy-on-write of a shared block).
+
+    Pairs run in parallel, so no dst block may be a src block of the same call, nor repeat.
+    """
+    check_cache(k_cache, v_cache)
+    check_kernel_device("k_cache", k_cache)
+    src = _block_ids("src", src, -1, k_cache.device)
+    dst = _block_ids("dst", dst, src.shape[0], k_cache.device)
+    num_pairs = src.shape[0]
+    if num_pairs == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_len = block_size * num_kv_heads * head_dim
+    plan = plan_copy(num_pairs, block_len)
+    _copy_blocks_kernel[(triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))](
+        k_cache, v_cache, src, dst, num_pairs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, TOKEN_LEN=num_kv_heads * head_dim, BLOCK_LEN=block_len,
+        ROWS=plan.rows, COLS=plan.cols,
+    )
+
+
+def _block_ids(
+    name: str, ids: Sequence[int] | torch.Tensor, length: int, device: torch.device
+) -> torch.Tensor:
+    """A 1-D int tensor of block ids on `device` (lists are copied there); `length` -1: any."""
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    check_index(name, ids, (length,), device)
+    return ids

@@ -1,0 +1,54 @@
+"""Argument checks shared by the kernels: cheap (shapes, dtypes, devices only), since they run once
+per layer per step. Contents (block ids, lengths, slots) are the caller's contract and are not read:
+that would cost a device sync on a GPU.
+"""
+
+import torch
+
+from kernels.launch_plan import INTERPRETED
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    """Compiled Triton runs on CUDA tensors only; the interpreter (no GPU) reads host memory."""
+    if INTERPRETED and t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU: Triton runs in its interpreter here; got {t.device}")
+    if not INTERPRETED and t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device for compiled Triton, got {t.device}")
+
+
+def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like the KV cache, got {t.device}")
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache and v_cache: [num_blocks, block_size, Hkv, D], one dtype, one layout, D contiguous.
+
+    The kernels compute one set of row offsets for both caches, hence the same strides.
+    """
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"k_cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if k_cache.stride(3) != 1:
+        raise ValueError("k_cache must be contiguous in its last (head size) dimension")
+    if (v_cache.shape, v_cache.stride(), v_cache.dtype) != (k_cache.shape, k_cache.stride(), k_cache.dtype):
+        raise ValueError(
+            f"v_cache must have k_cache's shape, strides and dtype {tuple(k_cache.shape)}, "
+            f"{k_cache.stride()}, {k_cache.dtype}; got {tuple(v_cache.shape)}, {v_cache.stride()}, "
+            f"{v_cache.dtype}"
+        )
+    check_same_device("v_cache", v_cache, k_cache.device)
+
+
+def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    """An int32/int64 index tensor of the given shape (-1 in shape: any size)."""
+    if t.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != len(shape) or any(want not in (-1, got) for want, got in zip(shape, t.shape, strict=False)):
+        want = ", ".join("*" if n == -1 else str(n) for n in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {tuple(t.shape)}")
+    check_same_device(name, t, device)

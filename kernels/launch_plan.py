@@ -1,0 +1,134 @@
+"""Tile and grid choice for the kernels, by device.
+
+Two machines with opposite costs:
+
+- The Triton interpreter (no GPU) runs every tl op as a numpy op over the whole tile. Measured on
+  the 2-core development machine: about 0.1-0.2 ms per op per program whatever the tile size, about
+  10 ns per element gathered by tl.load (a C++ loop over pointers: 8 ns through 1-D pointer tensors
+  against 14 ns through 3-D ones) and about 1 ns per element for each elementwise pass. So the
+  interpreter plan uses few programs and tiles as large as Triton allows (2**20 elements): one
+  program covers many sequences and all query heads of a KV head, and gathers through 1-D pointers.
+- A GPU wants enough programs to fill its SMs and tiles that fit registers: 16 to 64 query rows
+  and 32 to 64 keys per step, one item per program, and split-KV (several programs per item, each
+  on a range of keys, merged by a second kernel) when a decode batch is too small to fill the SMs.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+INTERPRETED: bool = triton.knobs.runtime.interpret
+"""Whether the kernels run in the Triton interpreter; read at import, as triton.jit does when it
+decorates them (kernels/__init__.py chooses the interpreter when there is no GPU)."""
+MAX_TILE = 1 << 20
+"""Elements in the largest tile of an interpreter program (Triton's limit on a tensor)."""
+INTERPRETER_ROWS = 2048
+"""Query rows (tokens x heads) per interpreter program: 2048 rows x 512 keys fill MAX_TILE, which
+measured best for a 2 x 2048 prefill (fewer key steps than 512 rows x 2048 keys, less causal waste
+than 4096 x 256)."""
+INTERPRETER_MIN_BLOCK_N = 64
+GPU_MAX_SPLITS = 16
+GPU_MIN_KEYS_PER_SPLIT = 512
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How one paged-attention launch cuts its work.
+
+    An item is `block_q` consecutive new tokens of one sequence times the query heads of one KV head.
+    A program handles `items` items side by side and walks their keys `block_n` at a time, in
+    `num_splits` independent ranges. `flat_loads` gathers through 1-D pointer tensors (interpreter).
+    """
+
+    block_q: int
+    items: int
+    block_n: int
+    num_splits: int
+    flat_loads: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """How a store/copy launch cuts its work: `rows` rows of `cols` elements per program."""
+
+    rows: int
+    cols: int
+
+
+def padded_group(group: int) -> int:
+    """Query heads per KV head, padded to a power of two (a tile dimension)."""
+    return triton.next_power_of_2(group)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head size padded to a power of two, and to 16 at least (tl.dot's smallest K on a GPU)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def plan_attention_interpreted(
+    num_items: int, max_q_len: int, max_kv_len: int, group: int, head_dim: int
+) -> AttentionPlan:
+    """Interpreter plan for at least `num_items` items whose lengths are known on the host.
+
+    Rows per item: the longest new-token run (1 for decode) times the padded group, up to
+    INTERPRETER_ROWS; then as many items as fill INTERPRETER_ROWS, and keys per step up to MAX_TILE
+    elements in the score and K/V tiles.
+    """
+    group_p = padded_group(group)
+    block_q = min(triton.next_power_of_2(max_q_len), max(1, INTERPRETER_ROWS // group_p))
+    rows = block_q * group_p
+    width = max(rows, padded_head_dim(head_dim))
+    items = min(
+        triton.next_power_of_2(num_items),
+        max(1, INTERPRETER_ROWS // rows),
+        max(1, MAX_TILE // (width * INTERPRETER_MIN_BLOCK_N)),
+    )
+    block_n = min(MAX_TILE // (items * width), triton.next_power_of_2(max_kv_len))
+    return AttentionPlan(block_q, items, block_n, num_splits=1, flat_loads=True)
+
+
+def plan_attention_gpu(
+    device: torch.device, num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+    max_kv_len: int,
+) -> AttentionPlan:
+    """GPU plan from host-known sizes only (no device sync); `max_kv_len` is the block table's capacity.
+
+    Rows per item: 16 (tl.dot's smallest M) when every sequence has one new token, else 64. A batch
+    with fewer items than SMs splits each item's keys into up to 16 ranges of 512 keys or more.
+    """
+    group_p = padded_group(group)
+    block_q = max(1, (16 if num_tokens == num_seqs else 64) // group_p)
+    block_n = 64 if padded_head_dim(head_dim) <= 128 else 32
+    items = max_tiles(num_tokens, num_seqs, block_q) * num_kv_heads
+    num_splits = 1
+    while (
+        num_splits < GPU_MAX_SPLITS
+        and items * num_splits < _sm_count(device)
+        and max_kv_len >= 2 * num_splits * GPU_MIN_KEYS_PER_SPLIT
+    ):
+        num_splits *= 2
+    return AttentionPlan(block_q, 1, block_n, num_splits, flat_loads=False)
+
+
+def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Most tiles of `block_q` new tokens that `num_tokens` tokens in `num_seqs` sequences can need."""
+    return min(num_tokens, (num_tokens + num_seqs * (block_q - 1)) // block_q)
+
+
+def plan_copy(num_rows: int, row_len: int) -> CopyPlan:
+    """Rows of `row_len` elements (tokens for store_kv, blocks for copy_blocks) to move.
+
+    Interpreter: up to MAX_TILE // 4 elements per program (the load loop is fastest below 2**18
+    elements). GPU: 4096-element tiles.
+    """
+    budget = MAX_TILE // 4 if INTERPRETED else 4096
+    cols = min(triton.next_power_of_2(row_len), budget)
+    rows = min(triton.next_power_of_2(num_rows), max(1, budget // cols))
+    return CopyPlan(rows, cols)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,337 @@
+"""Paged attention: the new tokens of a ragged batch attend to their sequences' KV through a block table.
+
+One launch serves decode (one new token), prefill (no cached prefix) and extend (new tokens after a
+cached prefix) together. New token j of a sequence with q_len new tokens and seq_len tokens in all
+sits at position seq_len - q_len + j and attends to every position up to and including its own.
+
+Work is cut into items: `block_q` consecutive new tokens of one sequence times the query heads that
+share one KV head (so K and V are read once per item, whatever the GQA ratio). A program takes
+`items` items as the batch dimension of every tile (q [items, rows, D], K/V [items, block_n, D],
+scores [items, rows, block_n]) and walks their keys `block_n` at a time, gathering K/V rows through
+the block table, with the online softmax in float32 (exp2 on pre-scaled scores). Key steps that lie
+below every item's first query position skip the causal mask. With split-KV each program covers one
+range of keys and a second kernel merges the ranges by their log-sum-exp.
+
+Reductions call tl.reduce with triton.language.standard's own combine functions rather than tl.max
+and tl.sum (which do just that): those two are jit functions, which an interpreted kernel cannot
+call when triton was imported before TRITON_INTERPRET was set (transformers imports it through
+torch._inductor), and which cost 0.25 ms a call in the interpreter.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from kernels.launch_plan import (
+    INTERPRETED,
+    AttentionPlan,
+    max_tiles,
+    padded_group,
+    padded_head_dim,
+    plan_attention_gpu,
+    plan_attention_interpreted,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
+    qk_scale, num_items, kv_per_split,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ITEMS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FLAT_LOADS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCK_Q * GROUP_P
+    # int64 indices throughout: the interpreter checks every int32 add and mul for overflow (7 extra
+    # numpy ops each), and cache offsets can pass 2**31 anyway.
+    item = tl.program_id(0).to(tl.int64) * ITEMS + tl.arange(0, ITEMS)
+    in_grid = item < num_items
+    tile = item // NUM_KV_HEADS
+    kv_head = item % NUM_KV_HEADS
+    seq = tl.load(tile_seq_ptr + tile, mask=in_grid, other=0)
+    q_first = tl.load(tile_start_ptr + tile, mask=in_grid, other=0)
+    q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    live = in_grid & (q_first < q_end)
+    shift = tl.load(seq_lens_ptr + seq) - q_end  # position of new token t (index into q) is t + shift
+    kv_end = tl.where(live, tl.minimum(q_first + BLOCK_Q, q_end) + shift, 0)
+    last_key = tl.maximum(kv_end - 1, 0)
+    kv_max = tl.reduce(kv_end, 0, tl.standard._elementwise_max)
+    first_pos = tl.where(live, q_first + shift + 1, kv_max)
+    unmasked_end = tl.minimum(tl.reduce(first_pos, 0, tl.standard._elementwise_min), kv_max)
+
+    r = tl.arange(0, ROWS)
+    t = q_first[:, None] + (r // GROUP_P)[None, :]
+    group_head = r % GROUP_P
+    head = kv_head[:, None] * GROUP + group_head[None, :]
+    row_ok = live[:, None] & (t < q_end[:, None]) & (group_head < GROUP)[None, :]
+    pos_q = t + shift[:, None]
+    d = tl.arange(0, HEAD_DIM_P)
+    io_mask = row_ok[:, :, None] & (d < HEAD_DIM)[None, None, :]
+    q_rows = (t * stride_qt + head * stride_qh)[:, :, None] + d[None, None, :]
+    q = (tl.load(q_ptr + q_rows, mask=io_mask, other=0.0).to(tl.float32) * qk_scale).to(DOT_DTYPE)
+    # Padded head-size lanes re-read the last real lane: q is 0 there, so scores are unchanged, and
+    # the output lanes are never stored. The K/V gathers then need no mask at all.
+    d_kv = tl.minimum(d, HEAD_DIM - 1)
+    table_row = block_table_ptr + seq * stride_bt
+    head_offset = kv_head * stride_ch
+
+    m_i = tl.full([ITEMS, ROWS], -1.0e30, tl.float32)
+    l_i = tl.full([ITEMS, ROWS], 0.0, tl.float32)
+    acc = tl.full([ITEMS, ROWS, HEAD_DIM_P], 0.0, tl.float32)
+    kv_lo = tl.program_id(1).to(tl.int64) * kv_per_split
+    for start in range(kv_lo, tl.minimum(kv_lo + kv_per_split, kv_max), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        # Keys past an item's end re-read its last key (a stored slot); the causal mask drops them.
+        key = tl.minimum(n[None, :], last_key[:, None])
+        block = tl.load(table_row[:, None] + key // BLOCK_SIZE, mask=live[:, None], other=0)
+        rows = block.to(tl.int64) * stride_cb + (key % BLOCK_SIZE) * stride_cs + head_offset[:, None]
+        k_ptrs = (k_cache_ptr + d_kv)[None, None, :] + rows[:, :, None]
+        v_ptrs = (v_cache_ptr + d_kv)[None, None, :] + rows[:, :, None]
+        if FLAT_LOADS:
+            k_ptrs = tl.reshape(k_ptrs, [ITEMS * BLOCK_N * HEAD_DIM_P])
+            v_ptrs = tl.reshape(v_ptrs, [ITEMS * BLOCK_N * HEAD_DIM_P])
+        k = tl.reshape(tl.load(k_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
+        v = tl.reshape(tl.load(v_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION)
+        if start + BLOCK_N > unmasked_end:
+            s = tl.where(n[None, None, :] <= pos_q[:, :, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 2, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, :, None])
+        l_i = l_i * alpha + tl.reduce(p, 2, tl.standard._sum_combine)
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, :, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # l_i is 0 only where no key was seen: rows that are not stored, or a split with no keys.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out_rows = (t * stride_ot + head * stride_oh)[:, :, None] + d[None, None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + out_rows, (acc / l_safe[:, :, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        split = tl.program_id(1)
+        tl.store(out_ptr + split * stride_os + out_rows, acc / l_safe[:, :, None], mask=io_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_heads,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = row // num_heads
+    h = row % num_heads
+    split = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM_P)
+    lse = tl.load(lse_ptr + split * stride_ls + t * stride_lt + h)
+    weight = tl.exp2(lse - tl.reduce(lse, 0, tl.standard._elementwise_max))
+    part = tl.load(
+        part_ptr + (split * stride_ps + t * stride_pt + h * stride_ph)[:, None] + d[None, :],
+        mask=(d < HEAD_DIM)[None, :], other=0.0,
+    )
+    total = tl.reduce(weight, 0, tl.standard._sum_combine)
+    out = tl.reduce(part * weight[:, None], 0, tl.standard._sum_combine) / total
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the batch's new tokens over their paged KV; returns [T, Hq, D] in q's dtype.
+
+    q: [T, Hq, D], the new tokens of all sequences, concatenated. k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D], one layer, with the new tokens' K/V already stored; Hq % Hkv == 0.
+    block_table: [S, max_blocks]; seq_lens: [S], each sequence's length including its new tokens;
+    query_start_loc: [S + 1], cumulative new-token counts (int32 or int64). scale defaults to
+    1/sqrt(D). The result is written into `out` when given.
+
+    Under the interpreter the batch's lengths are read on the host (free there): decode sequences
+    and the others get separate launches, since one tile shape would waste most rows on one of them.
+    """
+    _check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
+    group = num_heads // num_kv_heads
+    if INTERPRETED:
+        for plan, seqs in _interpreter_launches(query_start_loc, seq_lens, num_kv_heads, group, head_dim):
+            launch_attention(plan, seqs, None, *batch, scale, out)
+    else:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        plan = plan_attention_gpu(q.device, num_tokens, num_seqs, num_kv_heads, group, head_dim, capacity)
+        launch_attention(plan, None, max_tiles(num_tokens, num_seqs, plan.block_q), *batch, scale, out)
+    return out
+
+
+def launch_attention(
+    plan: AttentionPlan,
+    seqs: torch.Tensor | None,
+    num_tiles: int | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One launch with an explicit plan over the tiles of the sequences in the bool mask `seqs` (all
+    when None), then the merge of the KV splits; `num_tiles` as in _tile_map. Arguments are not
+    checked. paged_attention picks the plans; tests call this to run every plan shape, the GPU's
+    included, through the interpreter."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tile_seq, tile_start = _tile_map(query_start_loc, seq_lens, seqs, plan.block_q, num_tiles)
+    num_items = tile_seq.shape[0] * num_kv_heads
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    kv_per_split = triton.cdiv(triton.cdiv(capacity, plan.num_splits), plan.block_n) * plan.block_n
+    split = plan.num_splits > 1
+    if split:
+        target = torch.empty((plan.num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        lse = torch.empty((plan.num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        split_strides = (target.stride(0), lse.stride(0), lse.stride(1))
+    else:
+        target, lse, split_strides = out, out, (0, 0, 0)
+    # The interpreter multiplies in numpy, which has no bfloat16; float32 dots on a GPU stay IEEE.
+    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPES[q.dtype]
+    _paged_attention_kernel[(triton.cdiv(num_items, plan.items), plan.num_splits)](
+        q, k_cache, v_cache, target, lse,
+        block_table, seq_lens, query_start_loc, tile_seq, tile_start,
+        scale * LOG2E, num_items, kv_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        split_strides[0], target.stride(-3), target.stride(-2), split_strides[1], split_strides[2],
+        block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=padded_group(group),
+        HEAD_DIM=head_dim, HEAD_DIM_P=padded_head_dim(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        ITEMS=plan.items, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
+        FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens * num_heads,)](
+            target, lse, out, num_heads,
+            target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        )
+
+
+def _interpreter_launches(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, group: int, head_dim: int
+) -> list[tuple[AttentionPlan, torch.Tensor | None]]:
+    """The interpreter's launches (plan, bool mask of their sequences or None for all), planned from
+    the batch's lengths, read on the host (free there).
+
+    One launch when one program and one key step cover the whole batch: the launch's fixed cost,
+    about 80 interpreter ops, then dominates. Otherwise decode sequences and the others get a
+    launch each, since one tile shape would waste most of its rows on one of them.
+    """
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+
+    def plan_for(seqs: torch.Tensor) -> tuple[AttentionPlan, bool]:
+        num_items = int(seqs.sum()) * num_kv_heads
+        max_q_len, max_kv_len = int(q_lens[seqs].max()), int(seq_lens[seqs].max())
+        plan = plan_attention_interpreted(num_items, max_q_len, max_kv_len, group, head_dim)
+        return plan, num_items <= plan.items and max_q_len <= plan.block_q and max_kv_len <= plan.block_n
+
+    decode, longer = q_lens == 1, q_lens > 1
+    plan, one_step = plan_for(q_lens > 0)
+    if one_step or not bool(decode.any()) or not bool(longer.any()):
+        return [(plan, None)]
+    return [(plan_for(decode)[0], decode), (plan_for(longer)[0], longer)]
+
+
+def _tile_map(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: torch.Tensor | None,
+    block_q: int,
+    num_tiles: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and first new-token index (into q) of each tile of `block_q` new tokens.
+
+    Only sequences in the bool mask `seqs` (all when None) get tiles. `num_tiles` None counts them on
+    the host (interpreter) and orders them by the number of keys they see, most first, so that the
+    items sharing a program, which all walk to the program's longest key range, see about as many.
+    On a GPU the caller passes a bound from the shapes alone, so no device sync is needed, and the
+    tiles past the last start at their sequence's end and do nothing.
+    """
+    starts = query_start_loc[:-1].long()
+    tiles = (query_start_loc[1:] - starts + block_q - 1) // block_q
+    if seqs is not None:
+        tiles = torch.where(seqs, tiles, 0)
+    ends = tiles.cumsum(0)
+    tile = torch.arange(int(ends[-1]) if num_tiles is None else num_tiles, device=ends.device)
+    seq = torch.searchsorted(ends, tile, right=True).clamp_(max=ends.shape[0] - 1)
+    start = starts[seq] + (tile - ends[seq] + tiles[seq]) * block_q
+    if num_tiles is None:
+        q_end = query_start_loc[1:][seq]
+        keys = seq_lens[seq] - q_end + torch.minimum(start + block_q, q_end)
+        order = torch.argsort(keys, descending=True, stable=True)
+        seq, start = seq[order], start[order]
+    return seq, start
+
+
+def _check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    check_cache(k_cache, v_cache)
+    check_kernel_device("k_cache", k_cache)
+    device = k_cache.device
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.stride(2) != 1:
+        raise ValueError(
+            f"q must be [T, Hq, D] with k_cache's D = {k_cache.shape[3]} and a contiguous last "
+            f"dimension, got shape {tuple(q.shape)}"
+        )
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype must match k_cache's ({k_cache.dtype}), got {q.dtype}")
+    check_same_device("q", q, device)
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"q's head count Hq={q.shape[1]} must be a multiple of k_cache's KV head count "
+            f"Hkv={k_cache.shape[2]}"
+        )
+    check_index("block_table", block_table, (-1, -1), device)
+    num_seqs = block_table.shape[0]
+    check_index("seq_lens", seq_lens, (num_seqs,), device)
+    check_index("query_start_loc", query_start_loc, (num_seqs + 1,), device)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(
+            f"out must be like q: shape {tuple(q.shape)}, dtype {q.dtype}, contiguous last dimension; "
+            f"got {tuple(out.shape)}, {out.dtype}"
+        )
+    if out is not None:
+        check_same_device("out", out, device)

@@ -1,0 +1,72 @@
+"""Plain-torch references of the kernels, the oracle of the tests and the baseline of the benchmark.
+
+Same contracts as kernels.paged_attention, kernels.store_kv and kernels.copy_blocks, written for
+clarity first but without waste: attention gathers each sequence's KV through its block table and
+runs torch's scaled_dot_product_attention on it, computing in float32.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per sequence: gather K/V through the block table, expand the KV heads to the query heads
+    (measured faster on CPU than SDPA's enable_gqa), then SDPA with the causal mask aligned to the
+    end of the sequence (is_causal when there is no cached prefix, no mask for a single token)."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for s, (seq_len, q_lo, q_hi) in enumerate(
+        zip(seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=True)
+    ):
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        blocks = block_table[s, : (seq_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, 0)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, 0)
+        qs = q[q_lo:q_hi].transpose(0, 1).float()
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale)
+        elif q_len == seq_len:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+        else:
+            positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k_cache.view(-1, Hkv, D)[slot] = k[t] for every token whose slot is not -1; likewise v."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
+
+
+def copy_blocks_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src: Sequence[int] | torch.Tensor,
+    dst: Sequence[int] | torch.Tensor,
+) -> None:
+    """k_cache[dst[i]] = k_cache[src[i]] and likewise for v_cache."""
+    src = torch.as_tensor(src, dtype=torch.long, device=k_cache.device)
+    dst = torch.as_tensor(dst, dtype=torch.long, device=k_cache.device)
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]

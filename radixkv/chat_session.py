@@ -1,0 +1,53 @@
+"""A chat session: each turn's prompt is the whole conversation, and reuses its KV.
+
+The conversation's token ids grow turn by turn (`Conversation`): turn k's prompt is turn k-1's
+prompt, the engine's own reply to it and the new message through the chat template, token for
+token. The previous turn's prompt and reply were cached when that turn finished, so the new
+turn's `num_cached_tokens` covers the whole earlier conversation but the template's few new
+tokens. Sessions with the same system prompt share its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from radixkv.conversation import Conversation
+from radixkv.outputs import RequestOutput, StreamDelta
+from radixkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixkv.engine import Engine
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
+        self.engine = engine
+        self.conversation = Conversation(engine.tokenizer, system)
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as `{"role", "content"}` messages (text sessions)."""
+        return self.conversation.messages
+
+    def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
+        """Sends the user's message; returns the engine's reply. With n > 1 the first sample
+        continues the conversation. A message the engine refuses leaves the session unchanged."""
+        out = self.engine.generate([self.conversation.prompt(message)], params)[0]
+        self._record(out.token_ids, out.finish_reason)
+        return out
+
+    def stream(self, message: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Like `send`, but yields the reply token by token as it is made."""
+        reply, reason = [], None
+        for piece in self.engine.stream(self.conversation.prompt(message), params):
+            reply.append(piece.token_id)
+            reason = piece.finish_reason
+            yield piece
+        self._record(reply, reason)
+
+    def _record(self, reply: list[int], finish_reason: str | None) -> None:
+        text = self.engine.decode(reply)
+        if finish_reason == "stop" and reply and reply[-1] in self.engine.model.eos_token_ids:
+            reply = reply[:-1]  # the chat template closes the turn itself
+        self.conversation.add_reply(reply, text)

@@ -1,0 +1,69 @@
+"""Engine configuration, validated when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.block_pool import check_block_size, parse_bytes
+from radixkv.eviction import POLICIES
+
+SCHEDULING_POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How to build and run an engine.
+
+    `model` is a preset name (`tiny-llama`, the default, needs no download) or a local Hugging
+    Face folder. `kv_cache_memory` is bytes or a size like `"512MiB"`; None takes a share of the
+    free memory of the device (`default_kv_cache_memory`). `max_model_len` None takes the
+    model's. `max_num_batched_tokens` is the per-step token budget: a longer prompt is prefilled
+    in chunks. `scheduling` orders the waiting queue: `lpm` (longest cached prefix first, with
+    aging so nothing starves) or `fcfs`. `device` None picks CUDA when present.
+    """
+
+    model: str = "tiny-llama"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    enable_prefix_cache: bool = True
+    eviction: str = "lru"
+    scheduling: str = "lpm"
+    seed: int = 0
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """Bytes for the KV cache when none are given: 90% of the GPU's free memory once the model
+    is loaded, or on a CPU a fifth of the available RAM, at most 4 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    import os
+
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available // 5, 4 << 30)

@@ -1,0 +1,285 @@
+"""`radixkv replay`: a multi-turn workload through the engine, timed as users would see it.
+
+Sessions arrive at their `arrival` times (divided by `--speed`); each next turn is sent its
+`think` time after the previous reply ends, and its prompt is the whole conversation so far
+(`Conversation`), the engine's own replies included. Replies are greedy and run to `max_tokens`,
+so the runs with and without the prefix cache generate the same tokens and send the same
+prompts. Time to first token is measured from when a turn was due, so time a request spends
+waiting behind a busy engine counts, as it does for a user.
+
+`--compare` replays the same workload again with the prefix cache off and sets both runs side
+by side. The report's counters come from the engine's own metrics; `ideal_hit_rate` is what an
+infinite cache would find in the workload's prompts (`radixkv.simulate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from radixkv.config import EngineConfig
+from radixkv.conversation import Conversation
+from radixkv.engine import Engine
+from radixkv.eviction import POLICIES
+from radixkv.sampling_params import SamplingParams
+from radixkv.simulate import hit_tokens, requests_from_workload
+from radixkv.workload import Workload, read_workload
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    session: str
+    turn: int
+    due_s: float  # when the turn was due, from the replay's start
+    first_token_s: float
+    finish_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.due_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.due_s
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.finish_s - self.first_token_s) / max(self.output_tokens - 1, 1)
+
+
+@dataclass(slots=True)
+class RunResult:
+    records: list[TurnRecord]
+    wall_s: float
+    metrics: dict[str, Any]
+    kv_usage_peak: float
+    kv_utilization: float
+
+
+def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
+    """Replays every session of `workload` through a fresh engine built from `config`."""
+    engine = Engine(config)
+    usage = _UsageMeter()
+    engine.step_hooks.append(usage.sample)
+    sessions = workload.sessions
+    convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
+    due = [(s.arrival / speed + s.turns[0].think / speed, i, 0) for i, s in enumerate(sessions)]
+    heapq.heapify(due)
+    in_flight: dict[str, tuple[int, int, float]] = {}
+    records: list[TurnRecord] = []
+    bar = _progress_bar(sum(len(s.turns) for s in sessions), progress)
+    start = time.perf_counter()
+    while due or in_flight:
+        now = time.perf_counter() - start
+        while due and due[0][0] <= now:
+            t, i, k = heapq.heappop(due)
+            turn = sessions[i].turns[k]
+            params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+            in_flight[engine.add_request(convs[i].prompt(turn.user), params)] = (i, k, t)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
+            continue
+        for request in engine.step():
+            if not engine.is_finished(request.request_id):
+                continue
+            i, k, t = in_flight.pop(request.request_id)
+            out = engine.output(request.request_id)
+            convs[i].add_reply(out.token_ids, out.text)
+            done_s = request.finish_time - start
+            records.append(
+                TurnRecord(
+                    sessions[i].name,
+                    k,
+                    t,
+                    request.first_token_time - start,
+                    done_s,
+                    len(out.prompt_token_ids),
+                    out.num_cached_tokens,
+                    len(out.token_ids),
+                )
+            )
+            if k + 1 < len(sessions[i].turns):
+                heapq.heappush(due, (done_s + sessions[i].turns[k + 1].think / speed, i, k + 1))
+            if bar is not None:
+                bar.update(1)
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return RunResult(records, wall, engine.metrics(), usage.peak, usage.utilization)
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    """A run as the report's `RUN` object (see CONTRACTS.md)."""
+    recs = result.records
+    prompt = sum(r.prompt_tokens for r in recs)
+    cached = sum(r.cached_tokens for r in recs)
+    output = sum(r.output_tokens for r in recs)
+    m = result.metrics
+    return {
+        "requests": len(recs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "output_tokens": output,
+        "wall_s": result.wall_s,
+        "throughput_tok_s": output / result.wall_s if result.wall_s else 0.0,
+        "ttft_s": _stats([r.ttft_s for r in recs]),
+        "tpot_s": _stats([r.tpot_s for r in recs]),
+        "e2e_s": _stats([r.e2e_s for r in recs]),
+        "kv_usage_peak": result.kv_usage_peak,
+        "kv_utilization": result.kv_utilization,
+        "preemptions": m["num_preemptions"],
+        "evicted_blocks": m["num_evicted_blocks"],
+        "cow_copies": m["num_cow_copies"],
+    }
+
+
+def ideal_hit_rate(workload: Workload, tokenizer: Any, block_size: int) -> float:
+    requests = requests_from_workload(workload, tokenizer)
+    prompt = sum(len(r.prompt) for r in requests)
+    blocks = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
+    return hit_tokens(requests, max(blocks, 1), block_size, "lru") / max(prompt, 1)
+
+
+class _UsageMeter:
+    """Samples KV usage after every engine step: the peak share of blocks held, and the mean
+    share of slots in held blocks that hold a token's KV (`kv_utilization`)."""
+
+    def __init__(self) -> None:
+        self.peak = 0.0
+        self._ratios: list[float] = []
+
+    def sample(self, engine: Engine) -> None:
+        self.peak = max(self.peak, 1.0 - engine.pool.num_free / engine.pool.num_blocks)
+        stored, slots = engine.kv.slot_usage(engine.live_tables())
+        if slots:
+            self._ratios.append(stored / slots)
+
+    @property
+    def utilization(self) -> float:
+        return float(np.mean(self._ratios)) if self._ratios else 0.0
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="turn", leave=False, file=sys.stderr)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", type=Path, help="a workload file (JSONL, one chat session a line)")
+    parser.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
+    parser.add_argument("--compare", action="store_true", help="replay again with the prefix cache off")
+    parser.add_argument("--report", type=Path, help="write the JSON report here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of TTFT and hit rate here (needs matplotlib)")
+    parser.add_argument("--speed", type=float, default=1.0, help="arrival and think times divided by this")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--kv-cache-memory", default=None, help="e.g. 512MiB; default: a share of free memory"
+    )
+    parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
+    parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.speed <= 0:
+        raise ValueError(f"--speed must be > 0, got {args.speed}")
+    workload = read_workload(args.workload)
+    base = {
+        "model": args.model,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "eviction": args.eviction,
+    }
+    progress = sys.stderr.isatty() and not args.json
+    runs = {"prefix_cache": replay(workload, EngineConfig(**base), args.speed, progress)}
+    if args.compare:
+        off = EngineConfig(**base, enable_prefix_cache=False)
+        runs["no_prefix_cache"] = replay(workload, off, args.speed, progress)
+    tokenizer = _tokenizer_for(workload, args.model)
+    report = {
+        "workload": str(args.workload),
+        "model": args.model,
+        "config": {**base, "speed": args.speed},
+        "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
+        "runs": {name: summarize(result) for name, result in runs.items()},
+    }
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        from radixkv.plot import plot_replay
+
+        plot_replay({name: r.records for name, r in runs.items()}, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def format_report(report: dict[str, Any]) -> str:
+    runs = report["runs"]
+    names = list(runs)
+    rows = [
+        ("requests", "{:d}", lambda r: r["requests"]),
+        ("prompt tokens", "{:,d}", lambda r: r["prompt_tokens"]),
+        ("hit rate", "{:.3f}", lambda r: r["hit_rate"]),
+        ("TTFT mean (s)", "{:.3f}", lambda r: r["ttft_s"]["mean"]),
+        ("TTFT p50 (s)", "{:.3f}", lambda r: r["ttft_s"]["p50"]),
+        ("TTFT p90 (s)", "{:.3f}", lambda r: r["ttft_s"]["p90"]),
+        ("TTFT p99 (s)", "{:.3f}", lambda r: r["ttft_s"]["p99"]),
+        ("TPOT p50 (s)", "{:.4f}", lambda r: r["tpot_s"]["p50"]),
+        ("E2E p50 (s)", "{:.3f}", lambda r: r["e2e_s"]["p50"]),
+        ("output tok/s", "{:.1f}", lambda r: r["throughput_tok_s"]),
+        ("wall (s)", "{:.1f}", lambda r: r["wall_s"]),
+        ("KV usage peak", "{:.3f}", lambda r: r["kv_usage_peak"]),
+        ("KV utilization", "{:.3f}", lambda r: r["kv_utilization"]),
+        ("preemptions", "{:d}", lambda r: r["preemptions"]),
+        ("evicted blocks", "{:d}", lambda r: r["evicted_blocks"]),
+        ("COW copies", "{:d}", lambda r: r["cow_copies"]),
+    ]
+    width = max(len(n) for n in names) + 2
+    lines = [
+        f"{report['workload']} on {report['model']}: ideal hit rate {report['ideal_hit_rate']:.3f}",
+        f"{'':<16}" + "".join(f"{n:>{width}}" for n in names),
+    ]
+    for label, fmt, get in rows:
+        lines.append(f"{label:<16}" + "".join(f"{fmt.format(get(runs[n])):>{width}}" for n in names))
+    if "no_prefix_cache" in runs:
+        on, off = runs["prefix_cache"]["ttft_s"], runs["no_prefix_cache"]["ttft_s"]
+        lines.append(
+            f"TTFT with / without the prefix cache: p50 {on['p50'] / off['p50']:.3f}x, "
+            f"mean {on['mean'] / off['mean']:.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def _tokenizer_for(workload: Workload, model: str) -> Any:
+    if all(s.uses_ids for s in workload.sessions):
+        return None
+    from radixkv.model_loader import load_model
+
+    return load_model(model, dtype="float32", device="cpu").tokenizer

@@ -1,0 +1,74 @@
+"""A request and its sequences, from submission to finish.
+
+A request is the unit of scheduling: all its sequences run in the same steps or wait together.
+A fresh request has one sequence, its prompt. When the prompt is computed it becomes `n`
+samples, or the beams of a beam search, which fork the prompt's sequence and so share its blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from radixkv.kv_cache_manager import BlockTable
+from radixkv.sampling_params import BeamSearchParams, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Token ids (prompt, then generated) and, while running, the sequence's hold on the KV
+    cache. `tokens[table.num_tokens:]` still need their KV computed: the prompt's rest at first,
+    then the last sampled token."""
+
+    tokens: list[int]
+    num_prompt_tokens: int
+    table: BlockTable | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    logprobs: torch.Tensor | None = None  # a beam's next-token row, held until its group steps
+    score: float | None = None  # a finished beam's score
+    index: int = 0  # which of a request's n samples
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - (self.table.num_tokens if self.table else 0)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    inter_token_s: list[float] = field(default_factory=list)  # gaps between the request's steps with tokens
+    waited_steps: int = 0
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def prompt_done(self) -> bool:
+        """Whether the prompt's KV is computed (sampling or beam steps have begun)."""
+        seq = self.seqs[0] if self.seqs else None
+        return seq is None or len(seq.tokens) > seq.num_prompt_tokens

@@ -1,0 +1,287 @@
+"""Continuous batching with cache-aware admission, preemption, and the step's bookkeeping.
+
+Each step's batch mixes the decodes of running requests with new prefills (chunked when a prompt
+exceeds the step's token budget), up to `max_num_seqs` sequences. `schedule()` decides it:
+1. Running requests first, oldest first. A request's sequences grow together or not at all;
+   when blocks run short the cache is evicted, and when nothing is evictable the newest running
+   request is preempted by recomputation: its computed KV goes into the radix tree and its
+   blocks are freed, so that resuming it is mostly a cache hit.
+2. Then waiting requests, in the waiting queue's order: each matches the radix tree, locks the
+   matched path, shares its blocks (a partly matched last block is copied on its first write)
+   and gets blocks for its uncached part only. A request whose prompt shares a block or more of
+   not-yet-cached tokens with a prompt being prefilled now waits for it, so shared new prefixes
+   are computed once and then hit.
+`postprocess()` takes the logits: samples or steps beam search, appends tokens, caches each
+prompt's blocks as they are computed, and caches and releases what finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.block_pool import OutOfBlocks
+from radixkv.kv_cache_manager import KVCacheManager
+from radixkv.radix_cache import common_prefix_len
+from radixkv.sampler import compute_logprobs, make_generator, sample
+from scheduler.beam_search import BeamSearch
+from scheduler.request import Request, Sequence, Status
+from scheduler.waiting_queue import WaitingQueue
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_tokens` tokens of `seq`, from position `start`, are computed this step."""
+
+    request: Request
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.start + self.num_tokens == len(self.seq.tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        eos_token_ids: list[int],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str,
+    ) -> None:
+        self.kv = kv
+        self.eos = set(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        cache = kv.cache
+        self.waiting = WaitingQueue(policy, cache.cached_prefix_len if cache is not None else None)
+        self.running: list[Request] = []
+        self.beams: dict[str, BeamSearch] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def add(self, request: Request) -> None:
+        if request.is_beam_search:
+            self.beams[request.request_id] = BeamSearch(request.params, sorted(self.eos))
+        self.waiting.add(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting))
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            plan = self._plan(request, budget)
+            while True:
+                try:
+                    self.kv.reserve([(seq.table, n) for seq, n in plan])
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]  # never one scheduled already: those are in front
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is request:
+                        break
+            if request.status is not Status.RUNNING:
+                continue
+            batch += self._scheduled(request, plan)
+            budget -= sum(n for _, n in plan)
+            i += 1
+        if not preempted:
+            budget = self._admit(batch, budget)
+        self.waiting.age()
+        return batch
+
+    def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
+        for request in self.waiting.ordered():
+            if budget <= 0 or self.num_running_seqs + len(request.seqs) > self.max_num_seqs:
+                break
+            if self._waits_for_shared_prefill(request):
+                continue
+            for seq in request.seqs:
+                seq.table = self.kv.admit(seq.tokens)
+            plan = self._plan(request, budget)
+            need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
+            # Leave a block of growth for every running sequence, or the next step preempts.
+            if need > self.kv.num_available - self.num_running_seqs:
+                for seq in request.seqs:
+                    self.kv.release(seq.table)
+                    seq.table = None
+                break
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.seqs[0].table.num_tokens
+                self.prefix_cache_queries += len(request.prompt_ids)
+                self.prefix_cache_hits += request.num_cached_tokens
+            self.kv.reserve([(seq.table, n) for seq, n in plan])
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = Status.RUNNING
+            batch += self._scheduled(request, plan)
+            budget -= sum(n for _, n in plan)
+        return budget
+
+    def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
+        plan = []
+        for seq in request.seqs:
+            n = min(seq.num_uncomputed, budget)
+            if n > 0:
+                plan.append((seq, n))
+                budget -= n
+        return plan
+
+    def _scheduled(self, request: Request, plan: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
+        return [ScheduledSeq(request, seq, seq.table.num_tokens - n, n) for seq, n in plan]
+
+    def _waits_for_shared_prefill(self, request: Request) -> bool:
+        """Whether a prompt being prefilled now shares a block or more of tokens with this one
+        that the cache does not hold yet: then this request waits and hits them next."""
+        if self.kv.cache is None:
+            return False
+        prompt = request.prompt_ids
+        cached = None
+        for other in self.running:
+            if other.prompt_done:
+                continue
+            shared = common_prefix_len(prompt, other.prompt_ids)
+            if shared < self.kv.block_size:
+                continue
+            if cached is None:
+                cached = self.kv.cache.cached_prefix_len(prompt)
+            if shared - cached >= self.kv.block_size:
+                return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.kv.cache_finished(seq.table, seq.tokens)
+            seq.table = None
+            seq.logprobs = None
+        self.running.remove(request)
+        request.status = Status.WAITING
+        self.waiting.add(request)
+        self.num_preemptions += 1
+
+    # -------------------------------------------------------------- postprocess
+
+    def postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[Request]:
+        """Consumes the step's logits (one row per entry of `batch` that needs logits, in
+        order); returns the requests that made tokens or finished."""
+        now = time.perf_counter()
+        sampled: list[tuple[Request, Sequence, int]] = []
+        beam_rows: dict[str, Request] = {}
+        row = 0
+        for item in batch:
+            seq, request = item.seq, item.request
+            if seq.table.num_tokens <= seq.num_prompt_tokens:
+                self.kv.cache_running(seq.table, seq.tokens)
+            if not item.needs_logits:
+                continue
+            if request.is_beam_search:
+                seq.logprobs = compute_logprobs(logits[row])
+                beam_rows[request.request_id] = request
+            elif not request.prompt_done and request.params.n > 1:
+                request.seqs += [self._fork(seq, k) for k in range(1, request.params.n)]
+                sampled += [(request, s, row) for s in request.seqs]
+            else:
+                sampled.append((request, seq, row))
+            row += 1
+        touched: dict[str, Request] = {}
+        if sampled:
+            rows = logits[[r for _, _, r in sampled]]
+            tokens = sample(rows, [req.params for req, _, _ in sampled], [s.generator for _, s, _ in sampled])
+            for (request, seq, _), token in zip(sampled, tokens.tolist(), strict=True):
+                self._append(request, seq, token, now)
+                touched[request.request_id] = request
+        for request in beam_rows.values():
+            if all(seq.logprobs is not None for seq in request.seqs):
+                self._beam_step(request, now)
+                touched[request.request_id] = request
+        for request in touched.values():
+            if not request.seqs:
+                self.running.remove(request)
+                request.status = Status.FINISHED
+                request.finish_time = now
+        return list(touched.values())
+
+    def _fork(self, seq: Sequence, k: int) -> Sequence:
+        """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own
+        generator (seeded from the request's seed and k) when the request is seeded."""
+        generator = None
+        if seq.generator is not None:
+            generator = make_generator(seq.generator.initial_seed() + k, seq.generator.device)
+        return Sequence(list(seq.tokens), seq.num_prompt_tokens, self.kv.fork(seq.table), generator, index=k)
+
+    def _append(self, request: Request, seq: Sequence, token: int, now: float) -> None:
+        seq.tokens.append(token)
+        self._stamp(request, now)
+        params = request.params
+        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.kv.cache_finished(seq.table, seq.tokens)
+            seq.table = None
+            request.seqs.remove(seq)
+            request.finished_seqs.append(seq)
+
+    def _beam_step(self, request: Request, now: float) -> None:
+        search = self.beams[request.request_id]
+        rows = torch.stack([seq.logprobs for seq in request.seqs])
+        for seq in request.seqs:
+            seq.logprobs = None
+        continuations = search.step(rows, [seq.output_ids for seq in request.seqs])
+        self._stamp(request, now)
+        parents = request.seqs
+        chosen = Counter(0 if len(parents) == 1 else c.parent for c in continuations)
+        for i, seq in enumerate(parents):
+            if not chosen[i]:  # pruned: its blocks go back before any survivor copies a block
+                self.kv.release(seq.table)
+                seq.table = None
+        before = [list(seq.tokens) for seq in parents]
+        beams = []
+        reused: set[int] = set()
+        for c in continuations:
+            p = 0 if len(parents) == 1 else c.parent
+            if p in reused:  # a second continuation of one beam: share its blocks
+                beams.append(
+                    Sequence(before[p] + [c.token], len(request.prompt_ids), self.kv.fork(parents[p].table))
+                )
+            else:
+                reused.add(p)
+                parents[p].tokens.append(c.token)
+                beams.append(parents[p])
+        request.seqs = beams
+        if search.done:
+            request.finished_seqs = [
+                Sequence(request.prompt_ids + tokens, len(request.prompt_ids), score=score)
+                for tokens, score in search.results()
+            ]
+            del self.beams[request.request_id]
+
+    def _stamp(self, request: Request, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        elif request.last_token_time != now:
+            request.inter_token_s.append(now - request.last_token_time)
+        request.last_token_time = now

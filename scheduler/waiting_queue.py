@@ -1,0 +1,51 @@
+"""The order in which waiting requests are considered for admission.
+
+`fcfs`: arrival order. `lpm` (longest prefix match): the request with the most prompt tokens
+already cached goes first, since it costs the least to start and its cached prefix is the most
+likely to be evicted if it waits. Alone that starves requests with no cached prefix, so each step
+waited adds `AGING_TOKENS_PER_STEP` to a request's priority: a request with nothing cached
+overtakes one with 1,024 cached tokens after 16 steps. With more than `LPM_MAX_WAITING` requests
+waiting, the prefix lookups per step would cost more than they save, and the order is `fcfs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.request import Request
+
+AGING_TOKENS_PER_STEP = 64
+LPM_MAX_WAITING = 256
+
+
+class WaitingQueue:
+    def __init__(self, policy: str, cached_prefix_len: Callable[[list[int]], int] | None) -> None:
+        self.policy = policy if cached_prefix_len is not None else "fcfs"
+        self._cached_prefix_len = cached_prefix_len
+        self._requests: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request: Request) -> None:
+        self._requests.append(request)
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)
+
+    def ordered(self) -> list[Request]:
+        """The waiting requests, the next to admit first. A preempted request keeps its arrival
+        time, so under `fcfs` it resumes ahead of everything that came after it."""
+        if self.policy == "fcfs" or len(self._requests) > LPM_MAX_WAITING:
+            return sorted(self._requests, key=lambda r: r.arrival_time)
+        prefix = self._cached_prefix_len
+
+        def priority(r: Request) -> tuple[int, float]:
+            tokens = r.seqs[0].tokens
+            return (-(prefix(tokens) + r.waited_steps * AGING_TOKENS_PER_STEP), r.arrival_time)
+
+        return sorted(self._requests, key=priority)
+
+    def age(self) -> None:
+        for r in self._requests:
+            r.waited_steps += 1

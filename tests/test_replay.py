@@ -1,0 +1,121 @@
+"""`radixkv replay` end to end on a tiny workload: the report's shape (CONTRACTS.md) and sense."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from radixkv.cli import main
+from radixkv.workload import Session, Turn, write_workload
+
+STATS = {"mean", "p50", "p90", "p99"}
+RUN_FIELDS = {
+    "requests": int,
+    "prompt_tokens": int,
+    "cached_tokens": int,
+    "hit_rate": float,
+    "output_tokens": int,
+    "wall_s": float,
+    "throughput_tok_s": float,
+    "ttft_s": dict,
+    "tpot_s": dict,
+    "e2e_s": dict,
+    "kv_usage_peak": float,
+    "kv_utilization": float,
+    "preemptions": int,
+    "evicted_blocks": int,
+    "cow_copies": int,
+}
+
+
+def validate_report(report: dict) -> None:
+    assert {"workload", "model", "config", "ideal_hit_rate", "runs"} <= report.keys()
+    assert 0.0 <= report["ideal_hit_rate"] <= 1.0
+    for run in report["runs"].values():
+        for field, kind in RUN_FIELDS.items():
+            assert isinstance(run[field], kind) or (kind is float and isinstance(run[field], int)), field
+        for field in ("ttft_s", "tpot_s", "e2e_s"):
+            assert set(run[field]) == STATS
+            assert 0 <= run[field]["p50"] <= run[field]["p99"]
+        assert run["hit_rate"] == pytest.approx(run["cached_tokens"] / run["prompt_tokens"])
+
+
+@pytest.fixture
+def workload(tmp_path):
+    rng = random.Random(0)
+    system = [rng.randrange(256) for _ in range(40)]
+    sessions = [
+        Session(
+            f"s{i}",
+            [Turn([rng.randrange(256) for _ in range(6)], 4, think=0.01 * k) for k in range(3)],
+            arrival=0.02 * i,
+            system=system,
+        )
+        for i in range(4)
+    ]
+    path = tmp_path / "tiny.jsonl"
+    write_workload(path, sessions, {"generator": "test"})
+    return path
+
+
+def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    args = [
+        "replay",
+        str(workload),
+        "--model",
+        str(model_folders["llama"]),
+        "--compare",
+        "--block-size",
+        "4",
+        "--kv-cache-memory",
+        "4MiB",
+        "--speed",
+        "4",
+        "--report",
+        str(report_path),
+    ]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT with / without the prefix cache" in printed
+    report = json.loads(report_path.read_text())
+    validate_report(report)
+    on, off = report["runs"]["prefix_cache"], report["runs"]["no_prefix_cache"]
+    assert on["requests"] == off["requests"] == 12
+    assert on["prompt_tokens"] == off["prompt_tokens"]  # greedy replies: the same prompts in both runs
+    assert off["cached_tokens"] == 0
+    # The later turns and sessions find the shared system prompt and the earlier conversation.
+    assert 0.5 < on["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
+    assert 0 < on["kv_utilization"] <= 1
+
+
+def test_replay_plot_is_written(model_folders, workload, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "ttft.png"
+    args = [
+        "replay",
+        str(workload),
+        "--model",
+        str(model_folders["llama"]),
+        "--compare",
+        "--block-size",
+        "4",
+        "--kv-cache-memory",
+        "4MiB",
+        "--speed",
+        "4",
+        "--plot",
+        str(plot),
+        "--json",
+    ]
+    assert main(args) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_workload_fails_before_anything_runs(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "a", "turns": [{"user_ids": [1], "max_tokens": 0}]}\n')
+    assert main(["replay", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
