@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
-from kernels.launch_plan import plan_copy
+from kernels.launch_plan import launch_guard, plan_copy
 
 
 @triton.jit
@@ -76,12 +76,13 @@ def store_kv(
         return
     row_len = num_kv_heads * head_dim
     plan = plan_copy(num_tokens, row_len)
-    _store_kv_kernel[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
-        k, v, k_cache, v_cache, slot_mapping, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, ROW_LEN=row_len, BLOCK_SIZE=block_size, ROWS=plan.rows, COLS=plan.cols,
-    )
+    with launch_guard():
+        _store_kv_kernel[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
+            k, v, k_cache, v_cache, slot_mapping, num_tokens,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            HEAD_DIM=head_dim, ROW_LEN=row_len, BLOCK_SIZE=block_size, ROWS=plan.rows, COLS=plan.cols,
+        )
 
 
 def copy_blocks(
@@ -104,11 +105,12 @@ def copy_blocks(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     block_len = block_size * num_kv_heads * head_dim
     plan = plan_copy(num_pairs, block_len)
-    _copy_blocks_kernel[(triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))](
-        k_cache, v_cache, src, dst, num_pairs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, TOKEN_LEN=num_kv_heads * head_dim, BLOCK_LEN=block_len,
-        ROWS=plan.rows, COLS=plan.cols,
-    )
+    with launch_guard():
+        _copy_blocks_kernel[(triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))](
+            k_cache, v_cache, src, dst, num_pairs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            HEAD_DIM=head_dim, TOKEN_LEN=num_kv_heads * head_dim, BLOCK_LEN=block_len,
+            ROWS=plan.rows, COLS=plan.cols,
+        )
 
 
 def _block_ids(

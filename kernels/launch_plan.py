@@ -13,7 +13,9 @@ Two machines with opposite costs:
   on a range of keys, merged by a second kernel) when a decode batch is too small to fill the SMs.
 """
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ import triton
 INTERPRETED: bool = triton.knobs.runtime.interpret
 """Whether the kernels run in the Triton interpreter; read at import, as triton.jit does when it
 decorates them (kernels/__init__.py chooses the interpreter when there is no GPU)."""
+_INTERPRETER_LOCK = threading.Lock()
 MAX_TILE = 1 << 20
 """Elements in the largest tile of an interpreter program (Triton's limit on a tensor)."""
 INTERPRETER_ROWS = 2048
@@ -127,6 +130,13 @@ def plan_copy(num_rows: int, row_len: int) -> CopyPlan:
     cols = min(triton.next_power_of_2(row_len), budget)
     rows = min(triton.next_power_of_2(num_rows), max(1, budget // cols))
     return CopyPlan(rows, cols)
+
+
+def launch_guard() -> contextlib.AbstractContextManager[object]:
+    """Held around kernel launches. The interpreter patches triton.language module-wide while a
+    kernel runs, so two threads launching at once break each other ("Did you forget to add
+    @triton.jit ?"): interpreted launches take one lock. Compiled launches need none."""
+    return _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext()
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from kernels.checks import check_cache, check_index, check_kernel_device, check_
 from kernels.launch_plan import (
     INTERPRETED,
     AttentionPlan,
+    launch_guard,
     max_tiles,
     padded_group,
     padded_head_dim,
@@ -81,6 +82,8 @@ def _paged_attention_kernel(
     # Padded head-size lanes re-read the last real lane: q is 0 there, so scores are unchanged, and
     # the output lanes are never stored. The K/V gathers then need no mask at all.
     d_kv = tl.minimum(d, HEAD_DIM - 1)
+    k_lanes = (k_cache_ptr + d_kv)[None, None, :]
+    v_lanes = (v_cache_ptr + d_kv)[None, None, :]
     table_row = block_table_ptr + seq * stride_bt
     head_offset = kv_head * stride_ch
 
@@ -94,8 +97,8 @@ def _paged_attention_kernel(
         key = tl.minimum(n[None, :], last_key[:, None])
         block = tl.load(table_row[:, None] + key // BLOCK_SIZE, mask=live[:, None], other=0)
         rows = block.to(tl.int64) * stride_cb + (key % BLOCK_SIZE) * stride_cs + head_offset[:, None]
-        k_ptrs = (k_cache_ptr + d_kv)[None, None, :] + rows[:, :, None]
-        v_ptrs = (v_cache_ptr + d_kv)[None, None, :] + rows[:, :, None]
+        k_ptrs = k_lanes + rows[:, :, None]
+        v_ptrs = v_lanes + rows[:, :, None]
         if FLAT_LOADS:
             k_ptrs = tl.reshape(k_ptrs, [ITEMS * BLOCK_N * HEAD_DIM_P])
             v_ptrs = tl.reshape(v_ptrs, [ITEMS * BLOCK_N * HEAD_DIM_P])
@@ -221,26 +224,27 @@ def launch_attention(
         target, lse, split_strides = out, out, (0, 0, 0)
     # The interpreter multiplies in numpy, which has no bfloat16; float32 dots on a GPU stay IEEE.
     dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPES[q.dtype]
-    _paged_attention_kernel[(triton.cdiv(num_items, plan.items), plan.num_splits)](
-        q, k_cache, v_cache, target, lse,
-        block_table, seq_lens, query_start_loc, tile_seq, tile_start,
-        scale * LOG2E, num_items, kv_per_split,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        split_strides[0], target.stride(-3), target.stride(-2), split_strides[1], split_strides[2],
-        block_table.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=padded_group(group),
-        HEAD_DIM=head_dim, HEAD_DIM_P=padded_head_dim(head_dim), BLOCK_SIZE=k_cache.shape[1],
-        ITEMS=plan.items, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
-        FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-    )
-    if split:
-        _merge_splits_kernel[(num_tokens * num_heads,)](
-            target, lse, out, num_heads,
-            target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim),
+    with launch_guard():
+        _paged_attention_kernel[(triton.cdiv(num_items, plan.items), plan.num_splits)](
+            q, k_cache, v_cache, target, lse,
+            block_table, seq_lens, query_start_loc, tile_seq, tile_start,
+            scale * LOG2E, num_items, kv_per_split,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            split_strides[0], target.stride(-3), target.stride(-2), split_strides[1], split_strides[2],
+            block_table.stride(0),
+            NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=padded_group(group),
+            HEAD_DIM=head_dim, HEAD_DIM_P=padded_head_dim(head_dim), BLOCK_SIZE=k_cache.shape[1],
+            ITEMS=plan.items, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
+            FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         )
+        if split:
+            _merge_splits_kernel[(num_tokens * num_heads,)](
+                target, lse, out, num_heads,
+                target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+                out.stride(0), out.stride(1),
+                NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim),
+            )
 
 
 def _interpreter_launches(

@@ -28,42 +28,30 @@ _EOS_ID = 256 + SPECIAL_TOKENS.index(IM_END)
 _PAD_ID = 256 + SPECIAL_TOKENS.index(PAD_TOKEN)
 
 
+_TINY = {
+    "vocab_size": BYTE_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "initializer_range": PRESET_INITIALIZER_RANGE,
+    "bos_token_id": None,
+    "eos_token_id": _EOS_ID,
+    "pad_token_id": _PAD_ID,
+}
+
+
 def _tiny_llama() -> PretrainedConfig:
     return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        initializer_range=PRESET_INITIALIZER_RANGE,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=_EOS_ID,
-        pad_token_id=_PAD_ID,
+        architectures=["LlamaForCausalLM"], head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=False, **_TINY
     )
 
 
 def _tiny_qwen2() -> PretrainedConfig:
     return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"],
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-6,
-        initializer_range=PRESET_INITIALIZER_RANGE,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=_EOS_ID,
-        pad_token_id=_PAD_ID,
+        architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, tie_word_embeddings=True, **_TINY
     )
 
 

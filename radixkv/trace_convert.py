@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from radixkv.traces import HashIdTokens, TraceFormatError, iter_lines, read_hash_trace
+from radixkv.traces import HashIdTokens, TraceFormatError, iter_lines, read_hash_trace, read_trace_rows
 from radixkv.workload import Session, Turn
 from radixkv.workload_gen import Flag, check_params, poisson_arrivals, vocab_of
 
@@ -177,32 +177,20 @@ def _extends(ids: tuple[int, ...], previous: tuple[int, ...]) -> bool:
 
 
 def _read_agent_trace(path: Path) -> list[_AgentRequest]:
-    requests = []
-    for lineno, line in enumerate(iter_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            ids = row["hash_ids"]
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ValueError("hash_ids must be a list of integers")
-            t_s = float(row["t_session_s"])
-            if not t_s >= 0:
-                raise ValueError(f"t_session_s must be >= 0, got {t_s}")
-            requests.append(
-                _AgentRequest(
-                    str(row["session_id"]),
-                    str(row.get("agent", "main")),
-                    t_s,
-                    int(row.get("output_length", 0)),
-                    tuple(ids),
-                )
-            )
-        except KeyError as e:
-            raise TraceFormatError(f"{path}:{lineno}: not a coding-agent trace line: missing {e}") from None
-        except (ValueError, TypeError) as e:
-            raise TraceFormatError(f"{path}:{lineno}: not a coding-agent trace line: {e}") from None
-    return requests
+    return read_trace_rows(path, "coding-agent trace", _agent_request)
+
+
+def _agent_request(row: dict[str, Any]) -> _AgentRequest:
+    t_s = float(row["t_session_s"])
+    if not t_s >= 0:
+        raise ValueError(f"t_session_s must be >= 0, got {t_s}")
+    return _AgentRequest(
+        str(row["session_id"]),
+        str(row.get("agent", "main")),
+        t_s,
+        int(row.get("output_length", 0)),
+        tuple(row["hash_ids"]),
+    )
 
 
 @dataclass(slots=True)

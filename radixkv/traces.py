@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +38,23 @@ class TraceFormatError(ValueError):
 
 def read_hash_trace(path: str | Path) -> list[TraceRequest]:
     """Reads a Mooncake-style JSONL trace; a malformed line fails the whole file up front."""
+    return read_trace_rows(
+        path,
+        "hash-id trace",
+        lambda row: TraceRequest(
+            arrival_s=float(row.get("timestamp", 0)) / 1000.0,
+            input_length=int(row.get("input_length", 0)),
+            output_length=int(row.get("output_length", 0)),
+            hash_ids=tuple(row["hash_ids"]),
+        ),
+    )
+
+
+def read_trace_rows(path: str | Path, kind: str, parse: Callable[[dict[str, Any]], T]) -> list[T]:
+    """Every non-empty line of a JSONL trace with `hash_ids`, turned into a record by `parse`. A
+    line that is not JSON, lacks a field or has bad ids fails the whole file, naming file and line."""
     path = Path(path)
-    requests = []
+    rows = []
     for lineno, line in enumerate(iter_lines(path), start=1):
         if not line.strip():
             continue
@@ -45,17 +63,12 @@ def read_hash_trace(path: str | Path) -> list[TraceRequest]:
             ids = row["hash_ids"]
             if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
                 raise ValueError("hash_ids must be a list of integers")
-            requests.append(
-                TraceRequest(
-                    arrival_s=float(row.get("timestamp", 0)) / 1000.0,
-                    input_length=int(row.get("input_length", 0)),
-                    output_length=int(row.get("output_length", 0)),
-                    hash_ids=tuple(ids),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise TraceFormatError(f"{path}:{lineno}: not a hash-id trace line: {e}") from e
-    return requests
+            rows.append(parse(row))
+        except KeyError as e:
+            raise TraceFormatError(f"{path}:{lineno}: not a {kind} line: missing {e}") from None
+        except (ValueError, TypeError) as e:
+            raise TraceFormatError(f"{path}:{lineno}: not a {kind} line: {e}") from None
+    return rows
 
 
 def iter_lines(path: Path) -> Iterator[str]:

@@ -25,7 +25,7 @@ TINY_SIZES = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
     "initializer_range": 0.3,
     "bos_token_id": None,
     "eos_token_id": 258,

@@ -10,6 +10,7 @@ launch_attention.
 import os
 import subprocess
 import sys
+import threading
 from typing import NamedTuple
 
 import pytest
@@ -137,6 +138,20 @@ def test_every_plan_shape_matches_reference(plan: AttentionPlan) -> None:
     num_tiles = max_tiles(batch.q.shape[0], batch.seq_lens.shape[0], plan.block_q)
     launch_attention(plan, None, num_tiles, *batch, 1 / 80**0.5, out)
     assert_matches_reference(out, batch)
+
+
+def test_calls_from_several_threads_at_once_match_reference() -> None:
+    """The interpreter patches triton.language module-wide during a launch; the kernels serialize."""
+    batch = make_batch(MIXED[:4], num_heads=4, head_dim=32)
+    outs: list[torch.Tensor] = []
+    threads = [threading.Thread(target=lambda: outs.append(paged_attention(*batch))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outs) == 4
+    for out in outs:
+        assert_matches_reference(out, batch)
 
 
 def test_writes_into_out_and_applies_scale() -> None:

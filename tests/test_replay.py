@@ -42,6 +42,23 @@ def validate_report(report: dict) -> None:
         assert run["hit_rate"] == pytest.approx(run["cached_tokens"] / run["prompt_tokens"])
 
 
+def replay_args(workload, model_folders, *extra: str) -> list[str]:
+    return [
+        "replay",
+        str(workload),
+        "--model",
+        str(model_folders["llama"]),
+        "--compare",
+        "--block-size",
+        "4",
+        "--kv-cache-memory",
+        "4MiB",
+        "--speed",
+        "4",
+        *extra,
+    ]
+
+
 @pytest.fixture
 def workload(tmp_path):
     rng = random.Random(0)
@@ -62,21 +79,7 @@ def workload(tmp_path):
 
 def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path, capsys):
     report_path = tmp_path / "report.json"
-    args = [
-        "replay",
-        str(workload),
-        "--model",
-        str(model_folders["llama"]),
-        "--compare",
-        "--block-size",
-        "4",
-        "--kv-cache-memory",
-        "4MiB",
-        "--speed",
-        "4",
-        "--report",
-        str(report_path),
-    ]
+    args = replay_args(workload, model_folders, "--report", str(report_path))
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "TTFT with / without the prefix cache" in printed
@@ -94,22 +97,7 @@ def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path,
 def test_replay_plot_is_written(model_folders, workload, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "ttft.png"
-    args = [
-        "replay",
-        str(workload),
-        "--model",
-        str(model_folders["llama"]),
-        "--compare",
-        "--block-size",
-        "4",
-        "--kv-cache-memory",
-        "4MiB",
-        "--speed",
-        "4",
-        "--plot",
-        str(plot),
-        "--json",
-    ]
+    args = replay_args(workload, model_folders, "--plot", str(plot), "--json")
     assert main(args) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
