@@ -125,3 +125,19 @@ def test_beams_share_blocks_peak_within_1_3x_of_one_sequence():
 def test_beam_search_rejects_bad_width():
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0)
+
+
+def test_beam_searches_preempted_for_memory_give_the_same_beams(model_folders):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    params = BeamSearchParams(beam_width=3, max_tokens=16)
+    roomy = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB")
+    tight = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="120KiB")
+    tight.step_hooks.append(Engine.check_invariants)
+    expected = search_all(roomy, prompts, params)
+    got = search_all(tight, prompts, params)
+    assert tight.metrics()["num_preemptions"] > 0
+    for ours, theirs in zip(got, expected, strict=True):
+        assert [b.token_ids for b in ours] == [b.token_ids for b in theirs]
+        assert [b.score for b in ours] == pytest.approx([b.score for b in theirs], abs=1e-5)
+    assert tight.pool.num_free + tight.kv.cache.evictable_size == tight.pool.num_blocks
