@@ -32,8 +32,10 @@ INTERPRETER_ROWS = 2048
 measured best for a 2 x 2048 prefill (fewer key steps than 512 rows x 2048 keys, less causal waste
 than 4096 x 256)."""
 INTERPRETER_MIN_BLOCK_N = 64
+"""Fewest keys per interpreter step: below it the per-op cost of a step outweighs its work."""
 GPU_MAX_SPLITS = 16
 GPU_MIN_KEYS_PER_SPLIT = 512
+"""Split-KV for a GPU decode: up to 16 ranges of 512 keys or more, merged by a second kernel."""
 
 
 @dataclass(frozen=True, slots=True)
