@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,12 +59,10 @@ class EngineConfig:
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
-    """Bytes for the KV cache when none are given: 90% of the GPU's free memory once the model
-    is loaded, or on a CPU a fifth of the available RAM, at most 4 GiB."""
+    """Bytes for the KV cache when none are given: 80% of the GPU's free memory once the model
+    is loaded (the rest for activations), or on a CPU a fifth of the available RAM, at most 1 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    import os
-
+        return int(free * 0.8)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available // 5, 4 << 30)
+    return min(available // 5, 1 << 30)

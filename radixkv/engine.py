@@ -70,6 +70,7 @@ class Engine:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.step_hooks: list[Callable[[Engine], None]] = []  # called after every step
+        self.num_steps = 0  # steps that ran a batch
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Engine:
@@ -104,6 +105,7 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch:
                 return []
+            self.num_steps += 1
             self.kv.run_copies(self.runner.copy_blocks)
             logits = self.runner.forward([self._chunk(item) for item in batch])
             touched = self.scheduler.postprocess(batch, logits)
@@ -116,11 +118,15 @@ class Engine:
         return self.scheduler.has_work()
 
     def run_until(self, done: Callable[[], bool]) -> None:
-        """Steps the engine until `done()`; with nothing to run and not done, raises rather than
-        spin (it means a request was lost)."""
+        """Steps the engine until `done()`. Never spins: when steps stop running batches before
+        `done()` (a request lost, or one that can never be scheduled), raises RuntimeError."""
+        idle = 0
         while not done():
-            if not self.step() and not self.scheduler.has_work() and not done():
-                raise RuntimeError("the engine ran out of work before the awaited requests finished")
+            before = self.num_steps
+            self.step()
+            idle = idle + 1 if self.num_steps == before else 0
+            if idle > 2 and not done():  # a step after a preemption may rightly run nothing
+                raise RuntimeError("the engine stopped making progress before the awaited requests finished")
 
     def output(self, request_id: str) -> RequestOutput:
         """The output of a finished request (and forgets the request)."""

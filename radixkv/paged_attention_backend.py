@@ -61,14 +61,14 @@ def paged_attention_forward(
     layer = module.layer_idx
     k_cache, v_cache = paged_batch.k_caches[layer], paged_batch.v_caches[layer]
     store_kv(
-        key[0].transpose(0, 1).contiguous(),
-        value[0].transpose(0, 1).contiguous(),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
         k_cache,
         v_cache,
         paged_batch.slot_mapping,
     )
     out = paged_attention(
-        query[0].transpose(0, 1).contiguous(),
+        query[0].transpose(0, 1),
         k_cache,
         v_cache,
         paged_batch.block_table,

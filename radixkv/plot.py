@@ -28,7 +28,7 @@ def plot_replay(runs: dict[str, list[TurnRecord]], path: Path) -> None:
     for name, records in runs.items():
         ttft = np.sort([r.ttft_s for r in records])
         cdf.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=_LABELS.get(name, name))
-    cdf.set_xscale("log")
+    cdf.set_xlim(left=0)
     cdf.set_xlabel("time to first token (s)")
     cdf.set_ylabel("share of requests")
     cdf.set_title("TTFT distribution")
