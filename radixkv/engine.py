@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from radixkv.block_pool import BlockPool, kv_block_bytes, num_blocks_for_budget
+from radixkv.chat_session import ChatSession
 from radixkv.config import EngineConfig, default_kv_cache_memory
 from radixkv.eviction import make_policy
 from radixkv.kv_cache_manager import BlockTable, KVCacheManager
@@ -82,22 +83,7 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None) -> str:
         """Validates and queues a request; returns its id. Bad input raises ValueError naming the
         field, before any work and without touching other requests."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams | BeamSearchParams):
-            raise ValueError(
-                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
-            )
-        params.validate()
-        ids = self._prompt_ids(prompt)
-        self._check_fits(ids, params)
-        seq = Sequence(list(ids), len(ids))
-        if isinstance(params, SamplingParams) and params.seed is not None:
-            seq.generator = make_generator(params.seed, self.runner.device)
-        with self._lock:
-            request = Request(str(next(self._ids)), list(ids), params, [seq])
-            self._requests[request.request_id] = request
-            self.scheduler.add(request)
-        return request.request_id
+        return self._submit([self._new_request(prompt, params)])[0]
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that made progress (new tokens or done)."""
@@ -154,7 +140,7 @@ class Engine:
         """Runs the prompts (text or token-id lists) to completion, batched together."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.add_request(p, params) for p in prompts]
+        ids = self._submit([self._new_request(p, params) for p in prompts])  # all valid, or none queued
         self.run_until(lambda: all(self.is_finished(i) for i in ids))
         return [self.output(i) for i in ids]
 
@@ -197,10 +183,8 @@ class Engine:
             request = self._requests.pop(request_id)
         return [Beam(s.output_ids, self.decode(s.output_ids), s.score) for s in request.finished_seqs]
 
-    def chat(self, system: str | list[int] | None = None) -> Any:
+    def chat(self, system: str | list[int] | None = None) -> ChatSession:
         """A chat session whose every turn reuses the KV of the conversation before it."""
-        from radixkv.chat_session import ChatSession
-
         return ChatSession(self, system)
 
     def metrics(self) -> dict:
@@ -235,6 +219,27 @@ class Engine:
         return [s.table for r in self.scheduler.running for s in r.seqs if s.table is not None]
 
     # ---------------------------------------------------------------- internals
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise ValueError(
+                f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}"
+            )
+        params.validate()
+        ids = self._prompt_ids(prompt)
+        self._check_fits(ids, params)
+        seq = Sequence(list(ids), len(ids))
+        if isinstance(params, SamplingParams) and params.seed is not None:
+            seq.generator = make_generator(params.seed, self.runner.device)
+        return Request(str(next(self._ids)), list(ids), params, [seq])
+
+    def _submit(self, requests: list[Request]) -> list[str]:
+        with self._lock:
+            for request in requests:
+                self._requests[request.request_id] = request
+                self.scheduler.add(request)
+        return [r.request_id for r in requests]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
