@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
-
-
-def _load_tokenizer(model: str) -> Any:
-    from radixkv.model_loader import load_model
-
-    tokenizer = load_model(model, dtype="float32", device="cpu").tokenizer
-    if tokenizer is None:
-        raise ValueError(f"model {model!r} has no tokenizer, so it cannot read text workloads")
-    return tokenizer
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from radixkv import simulate
 
-    return simulate.run(args, _load_tokenizer)
+    return simulate.run(args)
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -114,7 +114,7 @@ def load_model(
     """
     name = str(name_or_path)
     if name in PRESETS:
-        tokenizer = build_byte_tokenizer()
+        tokenizer = load_tokenizer(name)
         return build_random_model(
             PRESETS[name](), dtype=dtype, device=device, seed=seed, tokenizer=tokenizer, name=name
         )
@@ -136,9 +136,18 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors weights in {folder}")
     torch_dtype = _resolve_dtype(dtype)
     model = model_class.from_pretrained(folder, config=config, dtype=torch_dtype, local_files_only=True)
-    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True) if has_tokenizer else None
-    return _finish(model, tokenizer, name, device)
+    return _finish(model, load_tokenizer(folder), name, device)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a preset or a local model folder, without loading weights; None for a
+    folder that has no tokenizer (such a model still takes token ids)."""
+    if str(name_or_path) in PRESETS:
+        return build_byte_tokenizer()
+    folder = Path(name_or_path)
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return None
 
 
 def build_random_model(

@@ -30,7 +30,7 @@ from radixkv.conversation import Conversation
 from radixkv.engine import Engine
 from radixkv.eviction import POLICIES
 from radixkv.sampling_params import SamplingParams
-from radixkv.simulate import hit_tokens, requests_from_workload
+from radixkv.simulate import hit_tokens, requests_from_workload, workload_tokenizer
 from radixkv.workload import Workload, read_workload
 
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         off = EngineConfig(**base, enable_prefix_cache=False)
         runs["no_prefix_cache"] = replay(workload, off, args.speed, progress)
-    tokenizer = _tokenizer_for(workload, args.model)
+    tokenizer = workload_tokenizer(workload, args.model)
     report = {
         "workload": str(args.workload),
         "model": args.model,
@@ -275,11 +275,3 @@ def format_report(report: dict[str, Any]) -> str:
             f"mean {on['mean'] / off['mean']:.3f}x"
         )
     return "\n".join(lines)
-
-
-def _tokenizer_for(workload: Workload, model: str) -> Any:
-    if all(s.uses_ids for s in workload.sessions):
-        return None
-    from radixkv.model_loader import load_model
-
-    return load_model(model, dtype="float32", device="cpu").tokenizer

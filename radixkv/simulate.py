@@ -18,7 +18,6 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,18 @@ def requests_from_workload(workload: Workload, tokenizer: Any | None) -> list[Ca
             timed.append(CacheRequest(t, conv.prompt(turn.user), reply))
             conv.add_reply(reply)
     return sorted(timed, key=lambda r: r.arrival)
+
+
+def workload_tokenizer(workload: Workload, model: str) -> Any | None:
+    """The model's tokenizer when the workload has text sessions (None for all-id workloads)."""
+    if all(s.uses_ids for s in workload.sessions):
+        return None
+    from radixkv.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer, so it cannot read text workloads")
+    return tokenizer
 
 
 def is_hash_trace(path: str | Path) -> bool:
@@ -145,14 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
-def run(args: argparse.Namespace, load_tokenizer: Callable[[str], Any]) -> int:
+def run(args: argparse.Namespace) -> int:
     path = Path(args.trace_or_workload)
     if is_hash_trace(path):
         requests = requests_from_trace(path, args.hash_block)
     else:
         workload = read_workload(path)
-        text = any(not s.uses_ids for s in workload.sessions)
-        requests = requests_from_workload(workload, load_tokenizer(args.model) if text else None)
+        requests = requests_from_workload(workload, workload_tokenizer(workload, args.model))
     results = simulate(requests, args.capacity_blocks, args.block_size, args.eviction)
     if args.json:
         rows = [asdict(r) for r in results]
