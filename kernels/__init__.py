@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.cache_ops import copy_blocks, store_kv
-from kernels.paged_attention import paged_attention
+from radixkv.kernels.cache_ops import copy_blocks, store_kv
+from radixkv.kernels.paged_attention import paged_attention
 
 __all__ = ["copy_blocks", "paged_attention", "store_kv"]

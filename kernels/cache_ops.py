@@ -9,9 +9,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-
-from kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
-from kernels.launch_plan import launch_guard, plan_copy
+from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from radixkv.kernels.launch_plan import launch_guard, plan_copy
 
 
 @triton.jit

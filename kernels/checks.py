@@ -4,8 +4,7 @@ that would cost a device sync on a GPU.
 """
 
 import torch
-
-from kernels.launch_plan import INTERPRETED
+from radixkv.kernels.launch_plan import INTERPRETED
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

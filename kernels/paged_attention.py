@@ -23,9 +23,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
-from kernels.launch_plan import (
+from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from radixkv.kernels.launch_plan import (
     INTERPRETED,
     AttentionPlan,
     launch_guard,

@@ -1,6 +1,6 @@
 """Plain-torch references of the kernels, the oracle of the tests and the baseline of the benchmark.
 
-Same contracts as kernels.paged_attention, kernels.store_kv and kernels.copy_blocks, written for
+Same contracts as `paged_attention`, `store_kv` and `copy_blocks` of radixkv.kernels, written for
 clarity first but without waste: attention gathers each sequence's KV through its block table and
 runs torch's scaled_dot_product_attention on it, computing in float32.
 """

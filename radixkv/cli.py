@@ -8,21 +8,21 @@ import sys
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from radixkv import simulate
+    from radixkv.tools import simulate
 
     return simulate.run(args)
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from radixkv import replay
+    from radixkv.tools import replay
 
     return replay.run(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kernels import bench
+    from radixkv.tools import bench_kernels
 
-    return bench.run(args)
+    return bench_kernels.run(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -47,14 +47,14 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> int:
-    from radixkv import workload_commands
+    from radixkv.workloads import commands as workload_commands
 
     return workload_commands.run_gen(args) if args.action == "gen" else workload_commands.run_convert(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kernels import bench as bench_kernels
-    from radixkv import replay, simulate, workload_commands
+    from radixkv.tools import replay, simulate
+    from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
         prog="radixkv", description="An LLM inference engine that never computes the same prefix twice."
@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    bench_kernels.add_arguments(suites.add_parser("kernels", help="Triton paged attention against torch"))
+    kernels = suites.add_parser("kernels", help="Triton paged attention against torch")
+    kernels.add_argument("--json", action="store_true", help="print only a JSON object")
+    kernels.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per case and side")
     bench.set_defaults(func=_bench)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
@@ -87,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     workload_commands.add_convert_arguments(actions.add_parser("convert", help="workloads from traces"))
     workload.set_defaults(func=_workload)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

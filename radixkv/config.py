@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import torch
-
-from radixkv.block_pool import check_block_size, parse_bytes
-from radixkv.eviction import POLICIES
+from radixkv.cache.block_pool import check_block_size, parse_bytes
+from radixkv.cache.eviction import POLICIES
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
 
@@ -55,14 +52,6 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.device is None:
+            import torch  # here, so that reading a config does not load torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_kv_cache_memory(device: torch.device) -> int:
-    """Bytes for the KV cache when none are given: 80% of the GPU's free memory once the model
-    is loaded (the rest for activations), or on a CPU a fifth of the available RAM, at most 1 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available // 5, 1 << 30)

@@ -12,26 +12,27 @@ step at a time under a lock. Requests from all threads share every step's batch.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from radixkv.block_pool import BlockPool, kv_block_bytes, num_blocks_for_budget
+from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget
+from radixkv.cache.eviction import make_policy
+from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.radix_cache import RadixCache
 from radixkv.chat_session import ChatSession
-from radixkv.config import EngineConfig, default_kv_cache_memory
-from radixkv.eviction import make_policy
-from radixkv.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.config import EngineConfig
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
-from radixkv.model_loader import load_model
-from radixkv.model_runner import ModelRunner, SequenceChunk
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
+from radixkv.model.sampler import make_generator
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
-from radixkv.radix_cache import RadixCache
-from radixkv.sampler import make_generator
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
-from scheduler.request import Request, Sequence, Status
-from scheduler.scheduler import ScheduledSeq, Scheduler
+from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 
 Prompt = str | list[int]
 
@@ -295,3 +296,13 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, special tokens left out ("" for a model without a tokenizer)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """Bytes for the KV cache when none are given: 80% of the GPU's free memory once the model
+    is loaded (the rest for activations), or on a CPU a fifth of the available RAM, at most 1 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available // 5, 1 << 30)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixkv.kv_cache_manager import BlockTable
+from radixkv.cache.kv_cache_manager import BlockTable
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 
 

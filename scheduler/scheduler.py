@@ -22,14 +22,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from radixkv.scheduler.beam_search import BeamSearch
+from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.waiting_queue import WaitingQueue
 
-from radixkv.block_pool import OutOfBlocks
-from radixkv.kv_cache_manager import KVCacheManager
-from radixkv.radix_cache import common_prefix_len
-from radixkv.sampler import compute_logprobs, make_generator, sample
-from scheduler.beam_search import BeamSearch
-from scheduler.request import Request, Sequence, Status
-from scheduler.waiting_queue import WaitingQueue
+from radixkv.cache.block_pool import OutOfBlocks
+from radixkv.cache.kv_cache_manager import KVCacheManager
+from radixkv.cache.radix_cache import common_prefix_len
+from radixkv.model.sampler import compute_logprobs, make_generator, sample
 
 
 @dataclass(slots=True)

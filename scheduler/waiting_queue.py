@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.request import Request
+from radixkv.scheduler.request import Request
 
 AGING_TOKENS_PER_STEP = 64
 LPM_MAX_WAITING = 256

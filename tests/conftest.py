@@ -4,7 +4,7 @@ Each `LoadedModel` fixture builds a fresh model (a few milliseconds), because a 
 binds the model's attention to its paged cache; a test that wants transformers' own forward as the
 oracle takes `copy.deepcopy(loaded.model)` before building the runner, or uses the session-wide
 `reference_models` (never bound) with `model_folders` holding the same weights on disk. Weights
-use initializer range 0.3 so that greedy choices are not near-ties (see `radixkv.presets`).
+use initializer range 0.3 so that greedy choices are not near-ties (see `radixkv.model.presets`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, PreTrainedModel, Qwen2Config
 
-from radixkv.model_loader import LoadedModel, build_random_model
-from radixkv.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from radixkv.model.loader import LoadedModel, build_random_model
+from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 TINY_SIZES = {
     "vocab_size": BYTE_VOCAB_SIZE,

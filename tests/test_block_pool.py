@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from radixkv.block_pool import BlockPool, OutOfBlocks, kv_block_bytes, num_blocks_for_budget, parse_bytes
+from radixkv.cache.block_pool import BlockPool, OutOfBlocks, num_blocks_for_budget, parse_bytes
+from radixkv.model.runner import kv_block_bytes
 
 
 def test_allocate_and_free_round_trip():

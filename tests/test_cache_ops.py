@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from kernels import cache_ops, copy_blocks, store_kv
-from kernels.launch_plan import INTERPRETED, CopyPlan
-from kernels.reference import copy_blocks_ref, store_kv_ref
+from radixkv.kernels import cache_ops, copy_blocks, store_kv
+from radixkv.kernels.launch_plan import INTERPRETED, CopyPlan
+from radixkv.kernels.reference import copy_blocks_ref, store_kv_ref
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,7 +1,7 @@
 import pytest
 
 from radixkv.conversation import Conversation
-from radixkv.tokenizer import build_byte_tokenizer
+from radixkv.model.tokenizer import build_byte_tokenizer
 
 
 def test_each_text_prompt_extends_the_last_prompt_and_reply_exactly():

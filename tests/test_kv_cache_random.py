@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from radixkv.block_pool import BlockPool, OutOfBlocks
-from radixkv.kv_cache_manager import BlockTable, KVCacheManager
-from radixkv.radix_cache import RadixCache
+from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.radix_cache import RadixCache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

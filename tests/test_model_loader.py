@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from radixkv.model_loader import LoadedModel, ModelLoadError, build_random_model, load_model
+from radixkv.model.loader import LoadedModel, ModelLoadError, build_random_model, load_model
 
 
 def test_save_pretrained_folder_gives_the_same_logits(tiny_model: LoadedModel, tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from radixkv.model_loader import LoadedModel
-from radixkv.model_runner import ModelRunner, SequenceChunk
+from radixkv.model.loader import LoadedModel
+from radixkv.model.runner import ModelRunner, SequenceChunk
 
 ATOL = 1e-4
 

@@ -1,4 +1,4 @@
-"""paged_attention against the plain-torch reference (kernels.reference); on a machine without a GPU
+"""paged_attention against the plain-torch reference (radixkv.kernels.reference); on a machine without a GPU
 the kernels run in the Triton interpreter.
 
 Every listed value of each axis (block size, GQA ratio, head size, dtype) appears at least once, each
@@ -15,11 +15,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
-from kernels import launch_plan, paged_attention
-from kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
-from kernels.paged_attention import launch_attention
-from kernels.reference import paged_attention_ref
+from radixkv.kernels import launch_plan, paged_attention
+from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
+from radixkv.kernels.paged_attention import launch_attention
+from radixkv.kernels.reference import paged_attention_ref
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -215,8 +214,9 @@ def test_works_when_triton_was_imported_before_kernels() -> None:
     """transformers imports triton (through torch._inductor) before the engine imports kernels, so
     triton.language's own jit functions are then compiled-mode only; the kernels must not need them."""
     script = (
-        "import triton, torch, kernels\n"
-        "from kernels.reference import paged_attention_ref\n"
+        "import triton, torch\n"
+        "from radixkv import kernels\n"
+        "from radixkv.kernels.reference import paged_attention_ref\n"
         "q, k = torch.randn(3, 4, 32), torch.randn(2, 4, 2, 32)\n"
         "args = (q, k, k, torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32),\n"
         "        torch.tensor([0, 3], dtype=torch.int32))\n"

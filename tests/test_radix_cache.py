@@ -2,9 +2,9 @@
 
 import pytest
 
-from radixkv.block_pool import BlockPool
-from radixkv.eviction import LFU, make_policy
-from radixkv.radix_cache import RadixCache
+from radixkv.cache.block_pool import BlockPool
+from radixkv.cache.eviction import LFU, make_policy
+from radixkv.cache.radix_cache import RadixCache
 
 
 def make(block_size: int, num_blocks: int = 64, policy=None) -> RadixCache:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from radixkv.cli import main
-from radixkv.workload import Session, Turn, write_workload
+from radixkv.workloads.format import Session, Turn, write_workload
 
 STATS = {"mean", "p50", "p90", "p99"}
 RUN_FIELDS = {

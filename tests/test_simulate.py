@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from radixkv.cli import main
-from radixkv.simulate import CacheRequest, hit_tokens, requests_from_workload
-from radixkv.traces import HashIdTokens
-from radixkv.workload import Session, Turn, Workload
+from radixkv.tools.simulate import CacheRequest, hit_tokens, requests_from_workload
+from radixkv.workloads.format import Session, Turn, Workload
+from radixkv.workloads.traces import HashIdTokens
 
 MOONCAKE = Path(__file__).parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from radixkv.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 
 def test_text_round_trips_byte_for_byte() -> None:

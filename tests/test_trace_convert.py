@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from radixkv.trace_convert import (
+from radixkv.workloads.commands import add_convert_arguments, run_convert
+from radixkv.workloads.convert import (
     ClaudeCodeParams,
     MooncakeParams,
     ShareGPTParams,
@@ -18,9 +19,8 @@ from radixkv.trace_convert import (
     convert_mooncake,
     convert_sharegpt,
 )
-from radixkv.traces import HashIdTokens, TraceFormatError
-from radixkv.workload import Session, read_workload
-from radixkv.workload_commands import add_convert_arguments, run_convert
+from radixkv.workloads.format import Session, read_workload
+from radixkv.workloads.traces import HashIdTokens, TraceFormatError
 
 
 def _jsonl(path: Path, rows: list[object]) -> Path:

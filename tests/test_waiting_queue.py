@@ -1,6 +1,7 @@
+from radixkv.scheduler.request import Request, Sequence
+from radixkv.scheduler.waiting_queue import AGING_TOKENS_PER_STEP, WaitingQueue
+
 from radixkv.sampling_params import SamplingParams
-from scheduler.request import Request, Sequence
-from scheduler.waiting_queue import AGING_TOKENS_PER_STEP, WaitingQueue
 
 
 def request(name: str, tokens: list[int], arrival: float) -> Request:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.workload import Session, Turn, WorkloadError, read_workload, write_workload
+from radixkv.workloads.format import Session, Turn, WorkloadError, read_workload, write_workload
 
 GOOD_TEXT = {
     "session": "t0",

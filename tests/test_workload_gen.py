@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from radixkv.workload import Session, read_workload
-from radixkv.workload_commands import add_gen_arguments, run_gen
-from radixkv.workload_gen import (
+from radixkv.workloads.commands import add_gen_arguments, run_gen
+from radixkv.workloads.format import Session, read_workload
+from radixkv.workloads.generate import (
     ChatParams,
     DocsParams,
     SharedPrefixParams,

@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from radixkv.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.eviction import POLICIES, make_policy
+from radixkv.cache.kv_cache_manager import KVCacheManager
+from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
-from radixkv.eviction import POLICIES, make_policy
-from radixkv.kv_cache_manager import KVCacheManager
-from radixkv.radix_cache import RadixCache
-from radixkv.traces import HashIdTokens, iter_lines, read_hash_trace
-from radixkv.workload import Workload, read_workload
+from radixkv.workloads.format import Workload, read_workload
+from radixkv.workloads.traces import HashIdTokens, iter_lines, read_hash_trace
 
 
 @dataclass(slots=True)
@@ -77,7 +77,7 @@ def workload_tokenizer(workload: Workload, model: str) -> Any | None:
     """The model's tokenizer when the workload has text sessions (None for all-id workloads)."""
     if all(s.uses_ids for s in workload.sessions):
         return None
-    from radixkv.model_loader import load_tokenizer
+    from radixkv.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     if tokenizer is None:

@@ -28,8 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from radixkv.presets import PRESETS
-from radixkv.tokenizer import build_byte_tokenizer
+from radixkv.model.presets import PRESETS
+from radixkv.model.tokenizer import build_byte_tokenizer
 
 SUPPORTED_ARCHITECTURES: dict[str, type[PreTrainedModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

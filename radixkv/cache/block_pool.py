@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 
 class OutOfBlocks(RuntimeError):
     """Not enough free blocks. The scheduler catches this to evict from the cache or preempt."""
@@ -77,14 +75,6 @@ class BlockPool:
 def check_block_size(block_size: int) -> None:
     if not isinstance(block_size, int) or not 1 <= block_size <= 128 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 1 to 128, got {block_size!r}")
-
-
-def kv_block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes of one block: K and V, of every layer, for `block_size` tokens."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
 _UNITS = {

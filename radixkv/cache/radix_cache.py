@@ -27,8 +27,8 @@ from typing import NamedTuple
 import xxhash
 from sortedcontainers import SortedList
 
-from radixkv.block_pool import BlockPool
-from radixkv.eviction import LRU, EvictionPolicy
+from radixkv.cache.block_pool import BlockPool
+from radixkv.cache.eviction import LRU, EvictionPolicy
 
 
 class RadixNode:

@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from radixkv.block_pool import BlockPool, OutOfBlocks
-from radixkv.radix_cache import RadixCache, RadixNode
+from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.radix_cache import RadixCache, RadixNode
 
 
 @dataclass(slots=True, eq=False)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kernels import paged_attention, store_kv
+from radixkv.kernels import paged_attention, store_kv
 
 PAGED_ATTENTION = "radixkv_paged"
 
@@ -26,7 +26,7 @@ class PagedBatch:
     """Everything attention needs for one step, shared by all layers (device tensors).
 
     `slot_mapping[t]` is `block * block_size + offset` of new token t; `block_table`, `seq_lens`
-    and `query_start_loc` have the meanings of `kernels.paged_attention`.
+    and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`.
     """
 
     k_caches: list[torch.Tensor]

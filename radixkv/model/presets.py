@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
-from radixkv.tokenizer import BYTE_VOCAB_SIZE, IM_END, PAD_TOKEN, SPECIAL_TOKENS
+from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, IM_END, PAD_TOKEN, SPECIAL_TOKENS
 
 DEFAULT_PRESET = "tiny-llama"
 PRESET_INITIALIZER_RANGE = 0.3

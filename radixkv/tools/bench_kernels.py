@@ -8,6 +8,8 @@ medians are reported with their ratio (Triton / reference) and the largest diffe
 On a machine without a GPU both run on the CPU, Triton through its interpreter.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import statistics
@@ -18,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.launch_plan import INTERPRETED
-from kernels.paged_attention import paged_attention
-from kernels.reference import paged_attention_ref
+from radixkv.kernels.launch_plan import INTERPRETED
+from radixkv.kernels.paged_attention import paged_attention
+from radixkv.kernels.reference import paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 MAX_ABS_ERR = 1e-4
@@ -46,13 +48,6 @@ class CaseResult(NamedTuple):
     reference_ms: float
     ratio: float
     max_abs_err: float
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print only a JSON object")
-    parser.add_argument(
-        "--repeats", type=_positive_int, default=5, help="timed runs per case and side (default 5)"
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,10 +126,3 @@ def _median_ms(
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return result, statistics.median(times)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

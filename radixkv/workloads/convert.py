@@ -23,9 +23,15 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from radixkv.traces import HashIdTokens, TraceFormatError, iter_lines, read_hash_trace, read_trace_rows
-from radixkv.workload import Session, Turn
-from radixkv.workload_gen import Flag, check_params, poisson_arrivals, vocab_of
+from radixkv.workloads.format import Session, Turn
+from radixkv.workloads.generate import Flag, check_params, poisson_arrivals, vocab_of
+from radixkv.workloads.traces import (
+    HashIdTokens,
+    TraceFormatError,
+    iter_lines,
+    read_hash_trace,
+    read_trace_rows,
+)
 
 _USER_ROLES = ("human", "user")
 _REPLY_ROLES = ("gpt", "assistant", "chatgpt", "bard", "bing")

@@ -17,7 +17,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from radixkv.trace_convert import (
+from radixkv.workloads.convert import (
     ClaudeCodeParams,
     MooncakeParams,
     ShareGPTParams,
@@ -25,8 +25,8 @@ from radixkv.trace_convert import (
     convert_mooncake,
     convert_sharegpt,
 )
-from radixkv.workload import Session, write_workload
-from radixkv.workload_gen import (
+from radixkv.workloads.format import Session, write_workload
+from radixkv.workloads.generate import (
     ChatParams,
     DocsParams,
     IntRange,

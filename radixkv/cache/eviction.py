@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixkv.radix_cache import RadixNode
+    from radixkv.cache.radix_cache import RadixNode
 
 
 class EvictionPolicy(ABC):

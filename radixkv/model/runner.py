@@ -14,9 +14,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-import kernels
-from radixkv.model_loader import LoadedModel
-from radixkv.paged_attention_backend import PAGED_ATTENTION, PagedBatch
+from radixkv import kernels
+from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
+from radixkv.model.loader import LoadedModel
 
 
 @dataclass(slots=True)
@@ -42,6 +42,14 @@ class StepInputs(NamedTuple):
     position_ids: torch.Tensor
     logit_rows: torch.Tensor
     paged_batch: PagedBatch
+
+
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one block: K and V, of every layer, for `block_size` tokens."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
 class ModelRunner:

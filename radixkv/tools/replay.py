@@ -9,7 +9,7 @@ waiting behind a busy engine counts, as it does for a user.
 
 `--compare` replays the same workload again with the prefix cache off and sets both runs side
 by side. The report's counters come from the engine's own metrics; `ideal_hit_rate` is what an
-infinite cache would find in the workload's prompts (`radixkv.simulate`).
+infinite cache would find in the workload's prompts (`radixkv.tools.simulate`).
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from radixkv.cache.eviction import POLICIES
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
-from radixkv.engine import Engine
-from radixkv.eviction import POLICIES
 from radixkv.sampling_params import SamplingParams
-from radixkv.simulate import hit_tokens, requests_from_workload, workload_tokenizer
-from radixkv.workload import Workload, read_workload
+from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
+from radixkv.workloads.format import Workload, read_workload
+
+if TYPE_CHECKING:
+    from radixkv.engine import Engine
 
 
 @dataclass(slots=True)
@@ -69,6 +71,8 @@ class RunResult:
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
     """Replays every session of `workload` through a fresh engine built from `config`."""
+    from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
+
     engine = Engine(config)
     usage = _UsageMeter()
     engine.step_hooks.append(usage.sample)
@@ -230,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        from radixkv.plot import plot_replay
+        from radixkv.tools.plot import plot_replay
 
         plot_replay({name: r.records for name, r in runs.items()}, args.plot)
     if args.json:

@@ -21,8 +21,8 @@ from typing import Annotated, Any, NamedTuple
 
 import numpy as np
 
-from radixkv.traces import HashIdTokens
-from radixkv.workload import Session, Turn
+from radixkv.workloads.format import Session, Turn
+from radixkv.workloads.traces import HashIdTokens
 
 IntRange = tuple[int, int]
 

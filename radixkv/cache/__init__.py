@@ -1,0 +1,28 @@
+"""The KV cache's books, in pure Python: which physical block holds what, and who holds it.
+
+A fixed pool of refcounted blocks (`BlockPool`), a radix tree of cached token prefixes over them
+(`RadixCache`) with pluggable eviction (`make_policy`), and the per-sequence holds that admission,
+growth, copy-on-write and release go through (`KVCacheManager`, `BlockTable`). Nothing here
+imports torch, transformers or triton: the tensors the blocks index live with the model runner,
+so the cache can be simulated or embedded on its own.
+"""
+
+from radixkv.cache.block_pool import BlockPool, OutOfBlocks, check_block_size, parse_bytes
+from radixkv.cache.eviction import POLICIES, EvictionPolicy, make_policy
+from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.radix_cache import MatchResult, RadixCache, RadixNode
+
+__all__ = [
+    "POLICIES",
+    "BlockPool",
+    "BlockTable",
+    "EvictionPolicy",
+    "KVCacheManager",
+    "MatchResult",
+    "OutOfBlocks",
+    "RadixCache",
+    "RadixNode",
+    "check_block_size",
+    "make_policy",
+    "parse_bytes",
+]

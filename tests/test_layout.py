@@ -1,0 +1,87 @@
+"""The installed layout: one import name, `radixkv`, and the cache and CLI free of torch.
+
+Run in a subprocess outside the repository folder, so that the checkout's top-level `kernels/`
+and `scheduler/` folders cannot be found through the working directory: what is checked is what
+`pip install` made.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+HEAVY = ("torch", "transformers", "triton")
+
+
+def run_outside(tmp_path, code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_no_top_level_kernels_or_scheduler_module(tmp_path):
+    out = run_outside(
+        tmp_path,
+        """
+        import importlib.util
+        print(importlib.util.find_spec("kernels"), importlib.util.find_spec("scheduler"))
+        """,
+    )
+    assert out.split() == ["None", "None"]
+
+
+def test_kernels_and_scheduler_import_inside_radixkv(tmp_path):
+    out = run_outside(
+        tmp_path,
+        """
+        from radixkv.kernels import copy_blocks, paged_attention, store_kv
+        from radixkv.scheduler.scheduler import Scheduler
+        print(paged_attention.__module__, Scheduler.__module__)
+        """,
+    )
+    assert out.split() == ["radixkv.kernels.paged_attention", "radixkv.scheduler.scheduler"]
+
+
+def test_cache_imports_without_torch_transformers_or_triton(tmp_path):
+    out = run_outside(
+        tmp_path,
+        f"""
+        import sys
+        from radixkv.cache import BlockPool, KVCacheManager, RadixCache, make_policy
+        pool = BlockPool(8, 4)
+        kv = KVCacheManager(pool, RadixCache(pool, make_policy("lru")))
+        kv.release(kv.admit([1, 2, 3, 4, 5]))
+        print([m for m in {HEAVY!r} if m in sys.modules])
+        """,
+    )
+    assert out.strip() == "[]"
+
+
+def test_help_simulate_and_workload_load_no_heavy_module(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}\n' * 2)
+    out = run_outside(
+        tmp_path,
+        f"""
+        import contextlib, io, sys
+        from radixkv.cli import main
+        for argv in (
+            ["--help"],
+            ["bench", "--help"],
+            ["workload", "gen", "chat", "--help"],
+            ["simulate", "trace.jsonl", "--hash-block", "4", "--block-size", "4", "--capacity-blocks", "8"],
+        ):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+                main(argv)
+        print([m for m in {HEAVY!r} if m in sys.modules])
+        """,
+    )
+    assert out.strip() == "[]"
+
+
+def test_console_script_help_runs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "radixkv.cli", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "replay" in result.stdout
