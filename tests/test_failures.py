@@ -139,3 +139,29 @@ def test_submission_does_not_wait_for_the_step_in_flight(model_folders):
     assert waited < 1.0, f"add_request waited {waited:.2f}s for the step in flight"
     engine.run_until(lambda: engine.is_finished(rid))
     assert len(engine.output(rid).token_ids) == 8
+
+
+def test_a_beam_update_that_fails_halfway_leaks_nothing(model_folders):
+    """The fault strikes inside the beam bookkeeping: the prompt's sequence becomes three beams,
+    and the second fork raises after the first was made. The owner registry still finds and
+    releases every table, the one the half-done update made included."""
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    engine = Engine.from_pretrained(model_folders["llama"], **KW)
+    want = [b.token_ids for b in engine.beam_search(prompts()[1], params)]
+    engine = Engine.from_pretrained(model_folders["llama"], **KW)
+    fork, forks = engine.kv.fork, []
+
+    def failing_fork(table):
+        forks.append(table)
+        if len(forks) == 2:
+            raise Fault("injected in the beam update")
+        return fork(table)
+
+    engine.kv.fork = failing_fork
+    rid = engine.add_request(prompts()[1], params)
+    engine.run_until(lambda: engine.is_finished(rid))
+    engine.kv.fork = fork
+    with pytest.raises(RequestError):
+        engine.beam_output(rid)
+    no_leaks(engine)
+    assert [b.token_ids for b in engine.beam_search(prompts()[1], params)] == want
