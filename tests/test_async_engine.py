@@ -46,7 +46,9 @@ def leak_free(core) -> None:
 def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folders):
     batch = prompts(64, seed=1)
     sync = Engine.from_pretrained(model_folders["llama"], **KW)
-    expected = [sync.generate([p], params_for(i))[0].token_ids for i, p in enumerate(batch)]
+    ids = [sync.add_request(p, params_for(i)) for i, p in enumerate(batch)]
+    sync.run_until(lambda: not sync.has_unfinished_requests())
+    expected = [sync.output(i).token_ids for i in ids]
     rng = random.Random(2)
     cancel_after = {i: rng.randrange(0, 4) for i in rng.sample(range(64), 16)}  # deltas, then cancel
     break_after = {i: rng.randrange(1, 4) for i in rng.sample(sorted(set(range(64)) - set(cancel_after)), 8)}
