@@ -163,3 +163,20 @@ def test_an_idle_engine_sleeps(model_folders):
         return used
 
     assert asyncio.run(main()) < 0.005, "the loop thread used CPU while idle"
+
+
+def test_shutdown_aborts_what_is_in_flight(model_folders):
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        task = asyncio.create_task(engine.generate([1, 2, 3], long))
+        while engine.metrics()["running"] == 0:
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+        out = await task
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500
+        leak_free(engine.core)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await engine.generate([1, 2, 3], long)
+
+    asyncio.run(main())
