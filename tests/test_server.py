@@ -351,6 +351,8 @@ BAD_COMPLETIONS = [
     ({"top_k": 0}, "top_k"),
     ({"n": 0}, "n"),
     ({"n": True}, "n"),
+    ({"n": 200}, "n"),  # above --max-num-seqs
+    ({"n": 100, "max_tokens": 2000}, "max_tokens"),  # more KV than the pool holds
     ({"seed": 1.5}, "seed"),
     ({"stop": [1]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -365,6 +367,7 @@ BAD_COMPLETIONS = [
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"use_beam_search": True, "n": 0}, "n"),
+    ({"use_beam_search": True, "n": 200}, "n"),
     ({"use_beam_search": True, "stop": ["a"]}, "stop"),
     ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
     ({"use_beam_search": True, "stream": True}, "stream"),
@@ -493,21 +496,16 @@ def test_replay_against_the_server_finds_what_the_engine_finds(server, model_fol
 def test_overload_is_a_503_and_loses_nothing_accepted_and_sigterm_exits_cleanly(
     model_folders, engine, tmp_path
 ):
-    extra = ["--max-num-seqs", "1", "--max-waiting", "2", "--graceful-timeout", "1"]
+    extra = ["--max-num-seqs", "2", "--max-waiting", "2", "--graceful-timeout", "5"]
     with serve(model_folders["llama"], tmp_path / "serve.log", *extra) as (url, proc):
-        prompts = [f"request number {i}" for i in range(8)]
+        prompts = [f"request number {i}" for i in range(10)]
         want = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=120) as http:
+                body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
                 return await asyncio.gather(
-                    *[
-                        http.post(
-                            f"{url}/v1/completions",
-                            json={"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
-                        )
-                        for p in prompts
-                    ]
+                    *[http.post(f"{url}/v1/completions", json={"prompt": p, **body}) for p in prompts]
                 )
 
         responses = asyncio.run(burst())
@@ -519,16 +517,44 @@ def test_overload_is_a_503_and_loses_nothing_accepted_and_sigterm_exits_cleanly(
             else:
                 assert response.json()["choices"][0]["text"] == w.text
                 assert response.json()["usage"]["completion_tokens"] == 12
-        # SIGTERM mid-stream: no new connections, the stream ends (cut at the grace period), exit 0.
-        body = {"prompt": "long", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(f"{url}/health", timeout=2)
-            with contextlib.suppress(httpx.HTTPError):
-                for _ in lines:
-                    pass
+        short, cut = asyncio.run(sigterm_during(url, proc))
+        assert short[-1] == "data: [DONE]" and '"finish_reason":"length"' in short[-2]  # finished in grace
+        assert "data: [DONE]" not in cut  # still going when the grace period ended: aborted
         assert proc.wait(timeout=30) == 0
+
+
+async def sigterm_during(url: str, proc: subprocess.Popen) -> tuple[list[str], list[str]]:
+    """A stream far longer than the 5 s grace period runs; a short one starts beside it; SIGTERM
+    comes once both have their first token. New connections are refused from then on. Returns
+    each stream's SSE lines."""
+    long_prompt = [random.Random(6).randrange(256) for _ in range(1600)]  # ~0.1 s a step: ~40 s
+
+    async def read(http: httpx.AsyncClient, prompt, max_tokens: int, started: asyncio.Event) -> list[str]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        lines: list[str] = []
+        with contextlib.suppress(httpx.HTTPError):  # the cut stream ends without its last chunk
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line)
+                        started.set()
+        return lines
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        streams = []
+        for prompt, max_tokens in ((long_prompt, 400), ("short", 8)):
+            started = asyncio.Event()
+            streams.append(asyncio.ensure_future(read(http, prompt, max_tokens, started)))
+            await started.wait()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            await http.get(f"{url}/health")
+        cut, short = await asyncio.gather(*streams)
+    return short, cut
