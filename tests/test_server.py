@@ -352,6 +352,7 @@ BAD_COMPLETIONS = [
     ({"n": 0}, "n"),
     ({"n": True}, "n"),
     ({"n": 200}, "n"),  # above --max-num-seqs
+    ({"n": 200, "stream": True}, "n"),
     ({"n": 100, "max_tokens": 2000}, "max_tokens"),  # more KV than the pool holds
     ({"seed": 1.5}, "seed"),
     ({"stop": [1]}, "stop"),

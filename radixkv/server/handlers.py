@@ -52,6 +52,8 @@ async def create(
     tokens = max_tokens(body, default)
     try:
         if body.stream:
+            if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
+                raise ValueError(f"n {body.n} exceeds max_num_seqs {engine.config.max_num_seqs}")
             seed = body.seed
             streams = ChoiceStreams.open(
                 engine,
@@ -60,10 +62,8 @@ async def create(
                 body.n,
                 request_id,
             )
-        elif body.use_beam_search:
-            work = run_beam_search(engine, prompts, beam_params(body, tokens), request_id)
         else:
-            work = run_sampling(engine, prompts, sampling_params(body, tokens), request_id)
+            params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     count = len(prompts) * (body.n if body.stream else 1)
@@ -73,6 +73,8 @@ async def create(
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+    run = run_beam_search if body.use_beam_search else run_sampling
+    work = run(engine, prompts, params, request_id)
     try:
         finished = await _unless_disconnected(request, _engine_errors(work, body))
     finally:
