@@ -445,50 +445,71 @@ def test_metrics_parse_as_prometheus_text(server):
 # ---------------------------------------------------------------------------- replay --url
 
 
+def replay_both(
+    workload: Path, model_folder: Path, url: str, tmp_path: Path, *url_args: str
+) -> tuple[dict, dict]:
+    """The workload replayed in process and against `url` through the command line: each RUN."""
+    runs = []
+    for name, extra in (
+        ("local", ["--model", str(model_folder), "--kv-cache-memory", KV]),
+        ("url", ["--url", f"{url}/v1", "--api-key", KEY, *url_args]),
+    ):
+        path = tmp_path / f"{name}.json"
+        argv = [
+            "replay",
+            str(workload),
+            "--block-size",
+            str(BLOCK),
+            "--speed",
+            "4",
+            "--json",
+            "--report",
+            str(path),
+        ]
+        assert main([*argv, *extra]) == 0
+        runs.append(json.loads(path.read_text())["runs"]["prefix_cache"])
+    return runs[0], runs[1]
+
+
 def test_replay_against_the_server_finds_what_the_engine_finds(server, model_folders, tmp_path):
     rng = random.Random(3)
     system = [rng.randrange(128, 256) for _ in range(30)]  # no other test's prompt starts like this
     sessions = [
         Session(
-            f"s{i}",
-            [Turn([rng.randrange(128, 256) for _ in range(6)], 4) for _ in range(3)],
-            arrival=2.0 * i,
-            system=system,
+            f"s{i}", [Turn([rng.randrange(128, 256) for _ in range(6)], 4) for _ in range(3)], 2.0 * i, system
         )
         for i in range(2)
     ]
     workload = tmp_path / "w.jsonl"
     write_workload(workload, sessions, {"generator": "test"})
-    reports = {}
-    for name, extra in {
-        "local": ["--model", str(model_folders["llama"]), "--kv-cache-memory", KV],
-        "url": ["--url", f"{server}/v1", "--api-key", KEY],
-    }.items():
-        path = tmp_path / f"{name}.json"
-        assert (
-            main(
-                [
-                    "replay",
-                    str(workload),
-                    "--block-size",
-                    str(BLOCK),
-                    "--speed",
-                    "4",
-                    "--json",
-                    "--report",
-                    str(path),
-                    *extra,
-                ]
-            )
-            == 0
-        )
-        reports[name] = json.loads(path.read_text())["runs"]["prefix_cache"]
-    local, url = reports["local"], reports["url"]
+    local, url = replay_both(workload, model_folders["llama"], server, tmp_path)
     assert url["requests"] == local["requests"] == 6
     assert url["prompt_tokens"] == local["prompt_tokens"]
     assert url["output_tokens"] == local["output_tokens"]
     assert url["cached_tokens"] == local["cached_tokens"] > 0
     assert url["hit_rate"] == local["hit_rate"]
+
+
+def test_replay_over_chat_sends_the_prompts_the_engine_would(server, model_folders, tmp_path):
+    """Text sessions through /v1/chat/completions: the replies go back as text, and the server's
+    splicing makes every prompt the one the in-process replay builds from the generated ids (a
+    reply whose text does not survive a decode and encode would otherwise change its length)."""
+    sessions = [
+        Session(
+            f"t{i}",
+            [Turn(f"Question {k} of session {i}?", 8) for k in range(2)],
+            2.0 * i,
+            "Replay over chat.",
+        )
+        for i in range(2)
+    ]
+    workload = tmp_path / "chat.jsonl"
+    write_workload(workload, sessions, {"generator": "test"})
+    local, url = replay_both(workload, model_folders["llama"], server, tmp_path, "--endpoint", "chat")
+    assert url["requests"] == local["requests"] == 4
+    assert url["prompt_tokens"] == local["prompt_tokens"]
+    # At least what the engine found; the shared server may also hold other tests' template heads.
+    assert url["cached_tokens"] >= local["cached_tokens"] > 0
 
 
 # ------------------------------------------------------------------ overload and SIGTERM
