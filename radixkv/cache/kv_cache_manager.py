@@ -62,6 +62,13 @@ class KVCacheManager:
         allocates the blocks they need and copies a shared block before it is written. All of
         it, or OutOfBlocks with nothing changed, so a request's sequences grow together."""
         B = self.block_size
+        if len(plan) == 1:  # the usual decode: one sequence, its slots in its own last block
+            table, n = plan[0]
+            start = table.num_tokens
+            own_block = start % B and self.pool.refcount(table.blocks[start // B]) == 1
+            if own_block and start + n <= len(table.blocks) * B:
+                table.num_tokens = start + n
+                return
         self._ensure_free(self.blocks_needed(plan))
         for table, n in plan:
             start = table.num_tokens
@@ -142,7 +149,12 @@ class KVCacheManager:
     def slot_usage(self, tables: Iterable[BlockTable]) -> tuple[int, int]:
         """(token slots holding KV, token slots in blocks in use). A cached block holds its
         node's tokens; a sequence's own block holds its positions up to the sequence's length;
-        a block several holders share counts once, at its fullest."""
+        a block several holders share counts once, at its fullest.
+
+        Every block of a node or a table but its last is full, so full blocks are entered a run
+        at a time (`dict.fromkeys`, in C): Python works per node and per table, not per block
+        (a per-block loop took 11.9 ms a step at 12k blocks).
+        """
         B = self.block_size
         filled: dict[int, int] = {}
         if self.cache is not None:
@@ -151,8 +163,10 @@ class KVCacheManager:
                     filled.update(dict.fromkeys(node.blocks[:-1], B))
                     filled[node.blocks[-1]] = len(node.tokens) - (len(node.blocks) - 1) * B
         for table in tables:
-            for i, b in enumerate(table.blocks):
-                filled[b] = max(filled.get(b, 0), min(B, table.num_tokens - i * B))
+            if table.blocks:
+                filled.update(dict.fromkeys(table.blocks[:-1], B))
+                last = table.blocks[-1]
+                filled[last] = max(filled.get(last, 0), table.num_tokens - (len(table.blocks) - 1) * B)
         return sum(filled.values()), (self.pool.num_blocks - self.pool.num_free) * B
 
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
