@@ -83,7 +83,7 @@ class PersistentBatch:
 
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, len(logit_rows))
         sizes += (num_seqs * width,)
-        host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=self._pin)
+        host = torch.empty(sum(sizes), dtype=torch.int32, device="cpu", pin_memory=self._pin)
         flat = host.numpy()
         bounds = np.cumsum((0, *sizes))
         part = [flat[bounds[i] : bounds[i + 1]] for i in range(len(sizes))]

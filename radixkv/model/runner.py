@@ -124,9 +124,9 @@ class ModelRunner:
         if min(blocks) < 0 or max(blocks) >= self.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")
         num_layers = self.kv_cache.shape[1]
-        layer_offsets = torch.arange(num_layers, dtype=torch.int64).view(1, -1, 1) * self.num_blocks
+        offsets = torch.arange(num_layers, dtype=torch.int64, device="cpu").view(1, -1, 1) * self.num_blocks
         # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
-        ids = (torch.tensor(blocks, dtype=torch.int64).view(2, 1, -1) + layer_offsets).view(2, -1)
+        ids = (torch.tensor(blocks, dtype=torch.int64, device="cpu").view(2, 1, -1) + offsets).view(2, -1)
         ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
         k_flat, v_flat = self.kv_cache[0].flatten(0, 1), self.kv_cache[1].flatten(0, 1)
         kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])
