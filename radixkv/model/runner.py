@@ -17,6 +17,7 @@ import torch
 from radixkv import kernels
 from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
+from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 
@@ -55,10 +56,13 @@ class ModelRunner:
     new tokens. A step's inputs come from a `PersistentBatch` (one host-to-device copy) and its
     attention launches are planned once and shared by all layers. Building a runner binds the
     model's attention to the paged cache (`set_attn_implementation`); a plain transformers forward
-    needs a copy made before.
+    needs a copy made before. On CUDA, with `cuda_graph_max_seqs` > 0, decode steps of up to that
+    many sequences replay captured CUDA graphs (`radixkv.model.cuda_graphs`).
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, cuda_graph_max_seqs: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.loaded = loaded
@@ -72,6 +76,8 @@ class ModelRunner:
         self.v_caches = list(self.kv_cache[1].unbind(0))
         self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
         self.model.set_attn_implementation(PAGED_ATTENTION)
+        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
@@ -81,6 +87,10 @@ class ModelRunner:
         outside the cache or a sequence longer than the model's `max_model_len`.
         """
         step = self.batch.prepare(chunks)
+        if self.graphs is not None and self.graphs.fits(step):
+            logits = self.graphs.run(step)
+            if logits is not None:
+                return logits
         output = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
