@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.set_defaults(func=_bench_kernels)
     engine = suites.add_parser("engine", help="host time per engine step, the model's forward stubbed")
     engine.add_argument("--json", action="store_true", help="print only a JSON object")
-    engine.add_argument("--steps", type=_positive_int, default=20, help="timed steps per case")
+    engine.add_argument("--steps", type=_positive_int, default=10, help="timed steps per round (3 rounds)")
     engine.add_argument(
         "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
     )
