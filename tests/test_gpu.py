@@ -109,6 +109,8 @@ def test_engine_greedy_matches_transformers_on_cuda(model_folders, reference_mod
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == greedy_reference(reference, prompt, 24)
     assert (engine.runner.graphs is None) == enforce_eager
+    if not enforce_eager:
+        assert not engine.runner.graphs.failed, "a decode graph failed to capture; the engine ran eagerly"
     engine.check_invariants()
 
 
