@@ -19,7 +19,7 @@ from radixkv.kernels import copy_blocks, paged_attention, store_kv
 from radixkv.kernels.dispatch import interpreted
 from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
 
-from radixkv import BeamSearchParams, Engine, SamplingParams
+from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from radixkv.cli import main
 
 pytestmark = [
@@ -154,9 +154,10 @@ def test_cuda_steps_make_no_tensor_on_the_default_device(model_folders):
 
 
 def test_auto_dtype_on_cuda_follows_the_checkpoint(model_folders):
-    engine = Engine.from_pretrained(model_folders["llama"], device="cuda", kv_cache_memory="64MiB")
-    assert engine.runner.kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert engine.runner.kv_cache.dtype == engine.model.dtype
+    saved = Engine.from_pretrained(model_folders["llama"], device="cuda", kv_cache_memory="64MiB")
+    assert saved.model.dtype == saved.runner.kv_cache.dtype == torch.float32  # saved in float32
+    preset = Engine(EngineConfig(model="tiny-llama", device="cuda", kv_cache_memory="64MiB"))
+    assert preset.model.dtype == torch.bfloat16  # random weights record no dtype
 
 
 def test_kv_budget_comes_from_a_profiling_forward(model_folders):
