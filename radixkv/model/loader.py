@@ -234,7 +234,7 @@ def auto_dtype(
         return dtype
     if torch.device(device).type != "cuda":
         return torch.float32
-    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    recorded = getattr(config, "dtype", None)
     if isinstance(recorded, str):
         recorded = getattr(torch, recorded, None)
     if isinstance(recorded, torch.dtype) and recorded in (torch.float16, torch.bfloat16, torch.float32):
