@@ -86,8 +86,7 @@ class PersistentBatch:
         sizes += (num_seqs * width,)
         host = torch.empty(sum(sizes), dtype=torch.int32, device="cpu", pin_memory=self._pin)
         flat = host.numpy()
-        bounds = np.cumsum((0, *sizes))
-        part = [flat[bounds[i] : bounds[i + 1]] for i in range(len(sizes))]
+        part = np.split(flat, np.cumsum(sizes[:-1]))
         if num_tokens == num_seqs:
             part[0][:] = [c.token_ids[0] for c in chunks]
         else:
@@ -99,7 +98,7 @@ class PersistentBatch:
         part[5][:] = logit_rows
         part[6].reshape(num_seqs, width)[:] = table[:num_seqs, :width]
         device = host.to(self.device, non_blocking=True)
-        views = [device[int(bounds[i]) : int(bounds[i + 1])] for i in range(len(sizes))]
+        views = device.split(sizes)
         return HostBatch(
             input_ids=views[0].unsqueeze(0),
             position_ids=views[1].unsqueeze(0),

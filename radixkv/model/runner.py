@@ -70,6 +70,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = loaded.device
+        # transformers' config attributes cost microseconds each to read; read them once
+        self.num_heads = loaded.config.num_attention_heads
+        self.num_kv_heads = loaded.num_kv_heads
+        self.head_dim = loaded.head_dim
         shape = (2, loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
         self.k_caches = list(self.kv_cache[0].unbind(0))
@@ -102,11 +106,10 @@ class ModelRunner:
 
     def paged_batch(self, step: HostBatch) -> PagedBatch:
         """What every layer's attention reads for `step`, its launches planned once here."""
-        config = self.loaded.config
         launches = plan_paged_attention(
             step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
-            num_heads=config.num_attention_heads, num_kv_heads=self.loaded.num_kv_heads,
-            head_dim=self.loaded.head_dim, block_size=self.block_size,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size,
         )
         return PagedBatch(
             k_caches=self.k_caches,
