@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+ENGINE_BENCH_CASES = ("decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512")
+"""The cases of `radixkv bench engine` (radixkv.tools.bench_engine.CASES), named here so that
+parsing the command line does not load torch."""
+
 
 def _simulate(args: argparse.Namespace) -> int:
     from radixkv.tools import simulate
@@ -19,7 +23,7 @@ def _replay(args: argparse.Namespace) -> int:
     return replay.run(args)
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench_kernels(args: argparse.Namespace) -> int:
     from radixkv.tools import bench_kernels
 
     return bench_kernels.run(args)
@@ -29,6 +33,12 @@ def _serve(args: argparse.Namespace) -> int:
     from radixkv.server import launch
 
     return launch.run(args)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_engine
+
+    return bench_engine.run(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -92,7 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     kernels = suites.add_parser("kernels", help="Triton paged attention against torch")
     kernels.add_argument("--json", action="store_true", help="print only a JSON object")
     kernels.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per case and side")
-    bench.set_defaults(func=_bench)
+    kernels.set_defaults(func=_bench_kernels)
+    engine = suites.add_parser("engine", help="host time per engine step, the model's forward stubbed")
+    engine.add_argument("--json", action="store_true", help="print only a JSON object")
+    engine.add_argument("--steps", type=_positive_int, default=10, help="timed steps per round (3 rounds)")
+    engine.add_argument(
+        "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
+    )
+    engine.set_defaults(func=_bench_engine)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")
