@@ -93,7 +93,7 @@ class Engine:
             if not batch:
                 return []
             self.num_steps += 1
-            self.kv.run_copies(self.runner.copy_blocks)
+            self.kv.run_transfers(self.runner)
             logits = self.runner.forward([self._chunk(item) for item in batch])
             touched = self.scheduler.postprocess(batch, logits)
             self._observe(touched)

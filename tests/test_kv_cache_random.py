@@ -73,13 +73,13 @@ class Harness:
                 "a failed reservation changed a table"
             )
             return
-        self.kv.run_copies(self.copy)
+        self.kv.run_transfers(self)
         for (i, n), start in zip(plan, starts, strict=True):
             table, tokens = self.live[i]
             for p in range(start, start + n):
                 self.slots[table.blocks[p // self.B], p % self.B] = tokens[p]
 
-    def copy(self, src: list[int], dst: list[int]) -> None:
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.slots[dst] = self.slots[src]
 
     def step(self) -> None:

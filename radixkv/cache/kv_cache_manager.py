@@ -13,11 +13,29 @@ release in the same scheduling step can never hand the source to someone else to
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.radix_cache import RadixCache, RadixNode
+
+
+class BlockMover(Protocol):
+    """Moves KV data between blocks; the model runner is one, and `simulate` passes `NO_DATA`."""
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copies whole device blocks `src[i] -> dst[i]` (distinct destinations, none a source)."""
+
+
+class _NoData:
+    """A mover for the cache's books alone, where blocks hold no data (`radixkv simulate`)."""
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+
+NO_DATA: BlockMover = _NoData()
 
 
 @dataclass(slots=True, eq=False)
@@ -129,12 +147,14 @@ class KVCacheManager:
                 self.pool.decref(table.blocks[i])
                 table.blocks[i] = b
 
-    def run_copies(self, copy: Callable[[list[int], list[int]], None]) -> None:
-        """Executes the pending copies (`copy(src, dst)`), then drops their source references."""
+    def run_transfers(self, mover: BlockMover) -> None:
+        """Executes the step's pending block transfers through `mover`, then drops the
+        references they held. The engine calls it before every forward pass and `simulate`
+        after every request (with `NO_DATA`), so both release blocks through the same path."""
         if not self.pending_copies:
             return
         src, dst = map(list, zip(*self.pending_copies, strict=True))
-        copy(src, dst)
+        mover.copy_blocks(src, dst)
         self.pending_copies.clear()
         for b in src:
             self.pool.decref(b)

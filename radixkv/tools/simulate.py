@@ -14,6 +14,7 @@ turn's `max_tokens`, cached with its prompt, as the engine's own reply would be.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.eviction import POLICIES, make_policy
-from radixkv.cache.kv_cache_manager import KVCacheManager
+from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
 from radixkv.workloads.format import Workload, read_workload
@@ -95,7 +96,12 @@ def is_hash_trace(path: str | Path) -> bool:
 def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: int, eviction: str) -> int:
     """Prompt tokens the cache finds, serving `requests` in order at this capacity."""
     pool = BlockPool(capacity_blocks, block_size)
-    kv = KVCacheManager(pool, RadixCache(pool, make_policy(eviction)))
+    return serve(KVCacheManager(pool, RadixCache(pool, make_policy(eviction))), requests)
+
+
+def serve(kv: KVCacheManager, requests: list[CacheRequest]) -> int:
+    """Serves `requests` one at a time through `kv`, as the engine would; returns the prompt
+    tokens found in the cache."""
     hits = 0
     for req in requests:
         table = kv.admit(req.prompt)
@@ -106,7 +112,7 @@ def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: i
         except OutOfBlocks:  # longer than the whole cache: served, but not cached
             kv.release(table)
             continue
-        kv.pending_copies.clear()  # no KV data here; the copies' source references still go
+        kv.run_transfers(NO_DATA)
         kv.cache_finished(table, tokens)
     return hits
 
@@ -119,6 +125,7 @@ def simulate(
     ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, eviction) / max(prompt_tokens, 1)
     results = []
     for capacity in capacities:
+        gc.collect()  # the previous capacity's tree, so that its teardown is not timed here
         start = time.perf_counter()
         hits = hit_tokens(requests, capacity, block_size, eviction)
         seconds = time.perf_counter() - start
