@@ -9,7 +9,9 @@ tokens. Sessions with the same system prompt share its blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from radixkv.conversation import Conversation
@@ -20,10 +22,32 @@ if TYPE_CHECKING:
     from radixkv.engine import Engine
 
 
+_SESSION_IDS = itertools.count()
+
+
 class ChatSession:
+    """Its turns are tagged with `session_id`, so the `session` eviction policy keeps the
+    conversation's blocks over one-off requests' until `close()` (or the end of a `with` block)."""
+
     def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
         self.engine = engine
         self.conversation = Conversation(engine.tokenizer, system)
+        self.session_id = f"chat-{next(_SESSION_IDS)}"
+        self.closed = False
+
+    def close(self) -> None:
+        """No more turns: the conversation's cached blocks rank as a finished request's."""
+        if not self.closed:
+            self.closed = True
+            self.engine.close_session(self.session_id)
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -33,18 +57,24 @@ class ChatSession:
     def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
         """Sends the user's message; returns the engine's reply. With n > 1 the first sample
         continues the conversation. A message the engine refuses leaves the session unchanged."""
-        out = self.engine.generate([self.conversation.prompt(message)], params)[0]
+        self._check_open()
+        out = self.engine.generate([self.conversation.prompt(message)], params, self.session_id)[0]
         self._record(out.token_ids, out.finish_reason)
         return out
 
     def stream(self, message: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Like `send`, but yields the reply token by token as it is made."""
+        self._check_open()
         reply, reason = [], None
-        for piece in self.engine.stream(self.conversation.prompt(message), params):
+        for piece in self.engine.stream(self.conversation.prompt(message), params, self.session_id):
             reply.append(piece.token_id)
             reason = piece.finish_reason
             yield piece
         self._record(reply, reason)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"chat session {self.session_id} is closed")
 
     def _record(self, reply: list[int], finish_reason: str | None) -> None:
         text = self.engine.decode(reply)

@@ -81,10 +81,22 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        session_id: str | None = None,
+    ) -> str:
         """Validates and queues a request; returns its id. Bad input raises ValueError naming the
-        field, before any work and without touching other requests."""
-        return self._submit([self._new_request(prompt, params)])[0]
+        field, before any work and without touching other requests. `session_id` makes it a
+        turn of that chat session (see `close_session`)."""
+        return self._submit([self._new_request(prompt, params, session_id)])[0]
+
+    def close_session(self, session_id: str) -> None:
+        """The chat session has no more turns: under the `session` policy its cached blocks
+        lose their rank over one-off requests' (a later turn with the same id revives it)."""
+        with self._lock:
+            self.kv.close_session(session_id)
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that made progress (new tokens or done)."""
@@ -136,20 +148,26 @@ class Engine:
     # ---------------------------------------------------------------- the API
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts (text or token-id lists) to completion, batched together."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = self._submit([self._new_request(p, params) for p in prompts])  # all valid, or none queued
+        # All valid, or none queued.
+        ids = self._submit([self._new_request(p, params, session_id) for p in prompts])
         self.run_until(lambda: all(self.is_finished(i) for i in ids))
         return [self.output(i) for i in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, session_id: str | None = None
+    ) -> Iterator[StreamDelta]:
         """Yields each generated token as soon as it is made, with its piece of text."""
         if params is not None and params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={params.n}")
-        request_id = self.add_request(prompt, params)
+        request_id = self.add_request(prompt, params, session_id)
         request = self._requests[request_id]
         seq = request.seqs[0]  # with n == 1 this sequence lives from submission to the end
         sent, seen, text = 0, 0, ""
@@ -221,7 +239,9 @@ class Engine:
 
     # ---------------------------------------------------------------- internals
 
-    def _new_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None) -> Request:
+    def _new_request(
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, session_id: str | None = None
+    ) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(
@@ -233,7 +253,7 @@ class Engine:
         seq = Sequence(list(ids), len(ids))
         if isinstance(params, SamplingParams) and params.seed is not None:
             seq.generator = make_generator(params.seed, self.runner.device)
-        return Request(str(next(self._ids)), list(ids), params, [seq])
+        return Request(str(next(self._ids)), list(ids), params, [seq], session_id=session_id)
 
     def _submit(self, requests: list[Request]) -> list[str]:
         with self._lock:

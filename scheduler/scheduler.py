@@ -119,7 +119,7 @@ class Scheduler:
             if self._waits_for_shared_prefill(request):
                 continue
             for seq in request.seqs:
-                seq.table = self.kv.admit(seq.tokens)
+                seq.table = self.kv.admit(seq.tokens, request.session_id)
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
             # Leave a block of growth for every running sequence, or the next step preempts.

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.eviction import make_policy
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 
@@ -25,11 +26,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Harness:
-    def __init__(self, block_size: int, num_blocks: int, seed: int) -> None:
+    def __init__(self, block_size: int, num_blocks: int, seed: int, policy: str = "lru") -> None:
         self.rng = random.Random(seed)
         self.B = block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = RadixCache(self.pool)
+        self.cache = RadixCache(self.pool, make_policy(policy))
         self.kv = KVCacheManager(self.pool, self.cache)
         self.slots = np.full((num_blocks, block_size), -1, dtype=np.int64)  # fake KV
         self.reference: list[list[int]] = []
@@ -48,7 +49,8 @@ class Harness:
 
     def admit(self) -> None:
         tokens = self.prompt()
-        table = self.kv.admit(tokens)
+        session = self.rng.choice([None, "a", "b", "c"])
+        table = self.kv.admit(tokens, session)
         expected = max((common_prefix(tokens[:-1], s) for s in self.reference), default=0)
         assert table.num_tokens == expected, f"matched {table.num_tokens}, reference {expected}"
         self.live.append((table, tokens))
@@ -113,9 +115,11 @@ class Harness:
             if table.num_tokens:
                 self.reference.append(tokens[: table.num_tokens])
             self.kv.cache_finished(table, tokens)
-        elif op < 0.88:
+        elif op < 0.86:
             table, _ = self.live.pop(self.rng.randrange(len(self.live)))
             self.kv.release(table)
+        elif op < 0.88:
+            self.kv.close_session(self.rng.choice(["a", "b", "c"]))
         else:
             self.evict(self.rng.randrange(1, 3 * self.B))
 
@@ -159,10 +163,13 @@ class Harness:
             stack.extend((c, toks, blocks) for c in node.children.values())
 
 
-@pytest.mark.parametrize(("block_size", "seed"), [(1, 0), (16, 1), (64, 2), (4, 3)])
-def test_random_operations_match_the_naive_reference(block_size, seed):
+@pytest.mark.parametrize(
+    ("block_size", "seed", "policy"),
+    [(1, 0, "lru"), (16, 1, "lru"), (64, 2, "lru"), (4, 3, "lru"), (4, 4, "gdsf"), (16, 5, "session")],
+)
+def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
-    h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed)
+    h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
     for _ in range(5000):
         h.step()
         h.check()

@@ -41,11 +41,14 @@ NO_DATA: BlockMover = _NoData()
 @dataclass(slots=True, eq=False)
 class BlockTable:
     """`blocks[i]` holds positions `[i * block_size, (i + 1) * block_size)`; `num_tokens` slots
-    are filled (or being filled this step). `node`, when set, is the locked cached path."""
+    are filled (or being filled this step). `node`, when set, is the locked cached path.
+    `session`, when set, is the chat session the sequence belongs to: what it caches is tagged
+    with it, for the `session` eviction policy."""
 
     blocks: list[int]
     num_tokens: int = 0
     node: RadixNode | None = None
+    session: str | None = None
 
 
 class KVCacheManager:
@@ -64,16 +67,26 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, tokens: list[int]) -> BlockTable:
+    def admit(self, tokens: list[int], session: str | None = None) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
-        last token, which is always computed so that its logits exist."""
-        if self.cache is None or len(tokens) < 2:
-            return BlockTable([])
-        match = self.cache.match_prefix(tokens[:-1])
+        last token, which is always computed so that its logits exist. A `session` is live
+        from its first admission until `close_session`."""
+        if self.cache is None:
+            return BlockTable([], session=session)
+        if session is not None:
+            self.cache.set_session_live(session, True)
+        if len(tokens) < 2:
+            return BlockTable([], session=session)
+        match = self.cache.match_prefix(tokens[:-1], session)
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
-        return BlockTable(list(match.blocks), match.num_tokens, match.node)
+        return BlockTable(list(match.blocks), match.num_tokens, match.node, session)
+
+    def close_session(self, session: str) -> None:
+        """The chat session has no more turns: its cached blocks lose their live-session rank."""
+        if self.cache is not None:
+            self.cache.set_session_live(session, False)
 
     def reserve(self, plan: list[tuple[BlockTable, int]]) -> None:
         """For each `(table, n)`, slots for `n` more tokens at positions `[table.num_tokens, ...)`:
@@ -109,7 +122,7 @@ class KVCacheManager:
             self.pool.incref(b)
         if table.node is not None:
             self.cache.inc_lock(table.node)
-        return BlockTable(list(table.blocks), table.num_tokens, table.node)
+        return BlockTable(list(table.blocks), table.num_tokens, table.node, table.session)
 
     def release(self, table: BlockTable) -> None:
         for b in table.blocks:
@@ -122,7 +135,7 @@ class KVCacheManager:
         """Caches the sequence's computed tokens (a finished or preempted sequence), then
         releases the table: its next turn, or its own resumption, finds them."""
         if self.cache is not None and table.num_tokens:
-            self.cache.insert(tokens[: table.num_tokens], table.blocks)
+            self.cache.insert(tokens[: table.num_tokens], table.blocks, table.session)
         self.release(table)
 
     def cache_running(self, table: BlockTable, tokens: list[int]) -> None:
@@ -135,8 +148,8 @@ class KVCacheManager:
         locked = table.node.end if table.node is not None else 0
         if full <= locked:
             return
-        self.cache.insert(tokens[:full], table.blocks)
-        match = self.cache.match_prefix(tokens[:full])
+        self.cache.insert(tokens[:full], table.blocks, table.session)
+        match = self.cache.match_prefix(tokens[:full], table.session)
         self.cache.inc_lock(match.node)
         if table.node is not None:
             self.cache.dec_lock(table.node)

@@ -28,7 +28,7 @@ import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.block_pool import BlockPool
-from radixkv.cache.eviction import LRU, EvictionPolicy
+from radixkv.cache.eviction import LRU, EvictionPolicy, SessionAware
 
 
 class RadixNode:
@@ -41,6 +41,8 @@ class RadixNode:
         "last_access",
         "lock_ref",
         "parent",
+        "priority",
+        "session",
         "start",
         "tokens",
     )
@@ -64,6 +66,8 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.hits = 0
+        self.priority = 0.0  # the eviction policy's own score, set in its `touched`
+        self.session: str | None = None  # the chat session that last touched this node
 
     @property
     def end(self) -> int:
@@ -113,21 +117,25 @@ class RadixCache:
         self.evictable_size = 0  # blocks of unlocked nodes
         self.protected_size = 0  # blocks of locked nodes
         self.num_evicted = 0
+        self.live_sessions: set[str] = set()  # the policy's own set when it ranks by session
+        if isinstance(self.policy, SessionAware):
+            self.live_sessions = self.policy.live
 
     # ----------------------------------------------------------------- lookups
 
-    def match_prefix(self, tokens: list[int]) -> MatchResult:
+    def match_prefix(self, tokens: list[int], session: str | None = None) -> MatchResult:
         """Longest cached prefix of `tokens`, token-granular. Splits a node so that the result's
-        node ends at the last whole matched block (exact locking)."""
+        node ends at the last whole matched block (exact locking). `session` tags the matched
+        nodes as that chat session's (for the `session` policy)."""
         self._clock += 1
-        node, pos, child, common = self._walk(tokens, touch=True)
+        node, pos, child, common = self._walk(tokens, touch=True, session=session)
         matched = pos + common
         full = matched - matched % self.block_size
         partial: RadixNode | None = None
         if child is not None:
             if full > pos:
                 node = self._split(child, full - pos)
-                self._touch(node)
+                self._touch(node, session)
             if matched > full:
                 partial = child
         elif pos > full:  # a leaf that ends inside its last block, matched whole
@@ -136,6 +144,7 @@ class RadixCache:
         blocks = self._path_blocks(node)
         if partial is not None:
             blocks.append(partial.blocks[0])
+            self._rekey(partial)  # its first block is read now, though the node is not matched whole
         return MatchResult(node, matched, blocks)
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
@@ -143,7 +152,7 @@ class RadixCache:
         _, pos, _, common = self._walk(tokens, touch=False)
         return pos + common
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> InsertResult:
+    def insert(self, tokens: list[int], blocks: list[int], session: str | None = None) -> InsertResult:
         """Caches `tokens` whose KV is in `blocks` (at least `ceil(len(tokens) / block_size)`).
 
         The cache takes its own reference on each block it keeps; the caller keeps its own and
@@ -156,21 +165,21 @@ class RadixCache:
         if len(blocks) < nb:
             raise ValueError(f"{n} tokens need {nb} blocks, got {len(blocks)}")
         self._clock += 1
-        node, pos, child, common = self._walk(tokens, touch=True)
+        node, pos, child, common = self._walk(tokens, touch=True, session=session)
         num_cached = pos + common
         B = self.block_size
         if pos < n:
             if child is None and pos % B:
                 self._extend_leaf(node, tokens[pos:], blocks[pos // B : nb])
             elif child is None:
-                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb])
+                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb], session)
             elif pos + common < n:
                 at = common - common % B
                 parent = node
                 if at:
                     parent = self._split(child, at)
-                    self._touch(parent)
-                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb])
+                    self._touch(parent, session)
+                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb], session)
         cached = self._blocks_along(tokens, nb)
         redundant = [b for b, c in zip(blocks[:nb], cached, strict=False) if b != c]
         return InsertResult(num_cached, redundant)
@@ -207,7 +216,8 @@ class RadixCache:
         freed = 0
         while freed < num_blocks and self._leaves:
             leaf = self._leaves.pop(0)
-            take = min(num_blocks - freed, len(leaf.blocks))
+            self.policy.evicted(leaf)
+            take = min(num_blocks - freed, 1 if self.policy.keys_blocks else len(leaf.blocks))
             keep = len(leaf.blocks) - take
             for block in leaf.blocks[keep:]:
                 freed += self.pool.decref(block)
@@ -216,10 +226,26 @@ class RadixCache:
             if keep:
                 del leaf.blocks[keep:]
                 del leaf.tokens[keep * self.block_size :]
+                self.policy.trimmed(leaf)
                 self._leaves.add(leaf)
             else:
                 self._remove_leaf(leaf)
         return freed
+
+    def set_session_live(self, session: str, live: bool) -> None:
+        """Marks a chat session live (it has more turns to come) or closed. Evictable leaves the
+        session last touched are re-keyed, as the `session` policy ranks them by it."""
+        if (session in self.live_sessions) == live:
+            return
+        moved = [n for n in self._leaves if n.session == session]
+        for node in moved:
+            self._leaves.remove(node)
+        if live:
+            self.live_sessions.add(session)
+        else:
+            self.live_sessions.discard(session)
+        for node in moved:
+            self._leaves.add(node)
 
     # ----------------------------------------------------------- inspection
 
@@ -292,7 +318,9 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _walk(self, tokens: list[int], touch: bool) -> tuple[RadixNode, int, RadixNode | None, int]:
+    def _walk(
+        self, tokens: list[int], touch: bool, session: str | None = None
+    ) -> tuple[RadixNode, int, RadixNode | None, int]:
         """Follows whole edges from the root. Returns (node, pos, child, common): `node` ends at
         `pos`, and `child` is the child of `node` whose edge matches only its first `common`
         tokens (None when no child matches at all)."""
@@ -304,7 +332,7 @@ class RadixCache:
             if common < len(child.tokens):
                 return node, pos, child, common
             if touch:
-                self._touch(child)
+                self._touch(child, session)
             node, pos = child, pos + common
         return node, pos, None, 0
 
@@ -321,12 +349,24 @@ class RadixCache:
                 best, best_len = cand, k
         return best, best_len
 
-    def _touch(self, node: RadixNode) -> None:
+    def _touch(self, node: RadixNode, session: str | None) -> None:
         in_set = node.lock_ref == 0 and not node.children
         if in_set:
             self._leaves.remove(node)
         node.last_access = self._clock
         node.hits += 1
+        if session is not None:
+            node.session = session
+        self.policy.touched(node)
+        if in_set:
+            self._leaves.add(node)
+
+    def _rekey(self, node: RadixNode) -> None:
+        """Lets the policy look at `node` again without counting an access."""
+        in_set = node.lock_ref == 0 and not node.children
+        if in_set:
+            self._leaves.remove(node)
+        self.policy.touched(node)
         if in_set:
             self._leaves.add(node)
 
@@ -357,14 +397,16 @@ class RadixCache:
         if not siblings:
             del parent.by_first[node.tokens[0]]
 
-    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int]) -> None:
+    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], session: str | None) -> None:
         key = block_key(tokens[: self.block_size])
         if key in parent.children:
             return  # a 64-bit hash collision: leave this run uncached rather than risk mixing KV
         if not parent.children and parent is not self.root and parent.lock_ref == 0:
             self._leaves.remove(parent)
         node = RadixNode(next(self._ids), parent, parent.end, tokens, list(blocks), self._clock)
+        node.session = session
         self._link(parent, node, key)
+        self.policy.touched(node)
         for b in blocks:
             self.pool.incref(b)
         self.evictable_size += len(blocks)
@@ -387,6 +429,7 @@ class RadixCache:
             self.pool.incref(b)
         leaf.blocks.extend(blocks[1:])
         leaf.tokens.extend(tokens)
+        self.policy.touched(leaf)  # its end moved (the walk touched it already)
         self.evictable_size += len(blocks) - 1
         self._link(leaf.parent, leaf, key)
         self._leaves.add(leaf)
@@ -400,6 +443,7 @@ class RadixCache:
             next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb], node.last_access
         )
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
+        mid.priority, mid.session = node.priority, node.session
         parent.children[block_key(mid.tokens[:B])] = mid
         siblings = parent.by_first[mid.tokens[0]]
         siblings[siblings.index(node)] = mid

@@ -26,6 +26,7 @@ from typing import Any
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.eviction import POLICIES, make_policy
 from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
+from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
 from radixkv.workloads.format import Workload, read_workload
@@ -37,6 +38,8 @@ class CacheRequest:
     arrival: float
     prompt: list[int]
     output: list[int]  # cached together with the prompt once the request is served
+    session: str | None = None  # the chat session it is a turn of
+    closes_session: bool = False  # the session's last turn: it closes once this is served
 
 
 @dataclass(slots=True)
@@ -53,9 +56,15 @@ class SimulationResult:
 
 
 def requests_from_trace(path: str | Path, hash_block: int) -> list[CacheRequest]:
+    """The trace's requests in file order; a request with a session id is that session's turn,
+    and the session closes after its last request."""
     tokens = HashIdTokens(hash_block)
     trace = read_hash_trace(path)
-    return [CacheRequest(r.arrival_s, tokens.tokens(r.hash_ids), []) for r in trace]
+    last = {r.session: i for i, r in enumerate(trace) if r.session is not None}
+    return [
+        CacheRequest(r.arrival_s, tokens.tokens(r.hash_ids), [], r.session, last.get(r.session) == i)
+        for i, r in enumerate(trace)
+    ]
 
 
 def requests_from_workload(workload: Workload, tokenizer: Any | None) -> list[CacheRequest]:
@@ -66,10 +75,11 @@ def requests_from_workload(workload: Workload, tokenizer: Any | None) -> list[Ca
     for session in workload.sessions:
         conv = Conversation(None if session.uses_ids else tokenizer, session.system)
         t = session.arrival
-        for turn in session.turns:
+        for k, turn in enumerate(session.turns):
             t += turn.think
             reply = list(itertools.islice(fresh, turn.max_tokens))
-            timed.append(CacheRequest(t, conv.prompt(turn.user), reply))
+            closes = k == len(session.turns) - 1
+            timed.append(CacheRequest(t, conv.prompt(turn.user), reply, session.name, closes))
             conv.add_reply(reply)
     return sorted(timed, key=lambda r: r.arrival)
 
@@ -96,36 +106,44 @@ def is_hash_trace(path: str | Path) -> bool:
 def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: int, eviction: str) -> int:
     """Prompt tokens the cache finds, serving `requests` in order at this capacity."""
     pool = BlockPool(capacity_blocks, block_size)
+    if eviction == OfflineOptimal.name:
+        oracle = OfflineOptimal([r.prompt for r in requests], block_size)
+        return serve(KVCacheManager(pool, RadixCache(pool, oracle)), requests, oracle)
     return serve(KVCacheManager(pool, RadixCache(pool, make_policy(eviction))), requests)
 
 
-def serve(kv: KVCacheManager, requests: list[CacheRequest]) -> int:
+def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptimal | None = None) -> int:
     """Serves `requests` one at a time through `kv`, as the engine would; returns the prompt
-    tokens found in the cache."""
+    tokens found in the cache. The offline `oracle`, when given, learns each request's index."""
     hits = 0
-    for req in requests:
-        table = kv.admit(req.prompt)
+    for i, req in enumerate(requests):
+        if oracle is not None:
+            oracle.advance(i)
+        table = kv.admit(req.prompt, req.session)
         hits += table.num_tokens
         tokens = req.prompt + req.output
         try:
             kv.reserve([(table, len(tokens) - table.num_tokens)])
         except OutOfBlocks:  # longer than the whole cache: served, but not cached
             kv.release(table)
-            continue
-        kv.run_transfers(NO_DATA)
-        kv.cache_finished(table, tokens)
+        else:
+            kv.run_transfers(NO_DATA)
+            kv.cache_finished(table, tokens)
+        if req.closes_session:
+            kv.close_session(req.session)
     return hits
 
 
 def simulate(
-    requests: list[CacheRequest], capacities: list[int], block_size: int, eviction: str
+    requests: list[CacheRequest], capacities: list[int], block_size: int, evictions: list[str]
 ) -> list[SimulationResult]:
+    """One result per capacity and policy, capacities outer, policies in the order given."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
     blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
-    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, eviction) / max(prompt_tokens, 1)
+    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, "lru") / max(prompt_tokens, 1)
     results = []
-    for capacity in capacities:
-        gc.collect()  # the previous capacity's tree, so that its teardown is not timed here
+    for capacity, eviction in itertools.product(capacities, evictions):
+        gc.collect()  # the previous run's tree, so that its teardown is not timed here
         start = time.perf_counter()
         hits = hit_tokens(requests, capacity, block_size, eviction)
         seconds = time.perf_counter() - start
@@ -157,7 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache size in blocks, or a comma-separated sweep like 1000,4000,16000",
     )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--eviction",
+        default=["lru"],
+        type=_evictions,
+        help=f"eviction policies to compare, comma-separated: {', '.join(EVICTIONS)}",
+    )
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
     parser.add_argument("--model", default="tiny-llama", help="tokenizer for text workloads")
     parser.add_argument("--json", action="store_true", help="print JSON only")
@@ -176,19 +199,39 @@ def run(args: argparse.Namespace) -> int:
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
         print()
         return 0
-    r0 = results[0]
-    print(
-        f"{path.name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, "
-        f"block size {r0.block_size}, {r0.eviction}"
-    )
-    print(f"{'capacity (blocks)':>18} {'hit rate':>9} {'ideal':>7} {'of ideal':>9} {'tokens/s':>11}")
-    for r in results:
-        share = r.hit_rate / r.ideal_hit_rate if r.ideal_hit_rate else 0.0
-        print(
-            f"{r.capacity_blocks:>18} {r.hit_rate:>9.3f} {r.ideal_hit_rate:>7.3f} {share:>9.2f} "
-            f"{r.tokens_per_s:>11,.0f}"
-        )
+    print_table(path.name, results)
     return 0
+
+
+def print_table(name: str, results: list[SimulationResult]) -> None:
+    """One line per capacity and policy; `of optimal` when `optimal` ran at that capacity."""
+    r0 = results[0]
+    print(f"{name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, block size {r0.block_size}")
+    optimal = {r.capacity_blocks: r.hit_rate for r in results if r.eviction == OfflineOptimal.name}
+    head = f"{'capacity (blocks)':>18} {'eviction':>9} {'hit rate':>9} {'ideal':>7} {'of ideal':>9}"
+    print(head + (f" {'of optimal':>11}" if optimal else "") + f" {'tokens/s':>11}")
+    for r in results:
+        line = f"{r.capacity_blocks:>18} {r.eviction:>9} {r.hit_rate:>9.4f} {r.ideal_hit_rate:>7.3f} "
+        line += f"{_share(r.hit_rate, r.ideal_hit_rate):>9.2f}"
+        if optimal:
+            best = optimal.get(r.capacity_blocks)
+            line += f" {_share(r.hit_rate, best):>11.2f}" if best is not None else f" {'':>11}"
+        print(line + f" {r.tokens_per_s:>11,.0f}")
+
+
+def _share(value: float, whole: float) -> float:
+    return value / whole if whole else 0.0
+
+
+EVICTIONS = [*POLICIES, OfflineOptimal.name]
+
+
+def _evictions(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",")]
+    bad = [n for n in names if n not in EVICTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"eviction must be among {', '.join(EVICTIONS)}, got {text!r}")
+    return names
 
 
 def _capacities(text: str) -> list[int]:
