@@ -7,7 +7,8 @@ runs dry the cache is evicted first, and only then `OutOfBlocks` reaches the sch
 preempts. A block that more than one holder references is never written in place: the writer
 gets a fresh block and a pending copy (copy-on-write) that the model runner executes before the
 step's forward pass. Until then the copy keeps a reference on its source, so eviction or a
-release in the same scheduling step can never hand the source to someone else too early.
+release in the same scheduling step can never hand the source to someone else too early. The
+copies share one ordered queue with the host tier's offloads and loads (see `host_tier`).
 """
 
 from __future__ import annotations
@@ -18,20 +19,34 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.radix_cache import RadixCache, RadixNode
 
 
 class BlockMover(Protocol):
-    """Moves KV data between blocks; the model runner is one, and `simulate` passes `NO_DATA`."""
+    """Moves KV data between blocks; the model runner is one, and `simulate` passes `NO_DATA`.
+    Each call's pairs may be copied in parallel: their destinations are distinct."""
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copies whole device blocks `src[i] -> dst[i]` (distinct destinations, none a source)."""
+        """Copies whole device blocks `src[i] -> dst[i]` (none of `dst` is in `src`)."""
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        """Copies device blocks `src[i]` to host blocks `dst[i]`."""
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        """Copies host blocks `src[i]` to device blocks `dst[i]`."""
 
 
 class _NoData:
     """A mover for the cache's books alone, where blocks hold no data (`radixkv simulate`)."""
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def load(self, src: list[int], dst: list[int]) -> None:
         pass
 
 
@@ -49,6 +64,7 @@ class BlockTable:
     num_tokens: int = 0
     node: RadixNode | None = None
     session: str | None = None
+    num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
 
 
 class KVCacheManager:
@@ -56,7 +72,7 @@ class KVCacheManager:
         self.pool = pool
         self.cache = cache
         self.block_size = pool.block_size
-        self.pending_copies: list[tuple[int, int]] = []
+        self.transfers = cache.transfers if cache is not None else TransferQueue()
         self.num_cow_copies = 0
 
     @property
@@ -81,7 +97,7 @@ class KVCacheManager:
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
-        return BlockTable(list(match.blocks), match.num_tokens, match.node, session)
+        return BlockTable(list(match.blocks), match.num_tokens, match.node, session, match.host_tokens)
 
     def close_session(self, session: str) -> None:
         """The chat session has no more turns: its cached blocks lose their live-session rank."""
@@ -98,7 +114,8 @@ class KVCacheManager:
             start = table.num_tokens
             if start % B and self.pool.refcount(table.blocks[start // B]) > 1:
                 (fresh,) = self.pool.allocate(1)
-                self.pending_copies.append((table.blocks[start // B], fresh))  # the copy takes our reference
+                # The copy takes our reference on its source until it has run.
+                self.transfers.add(TransferKind.COPY, [table.blocks[start // B]], [fresh])
                 table.blocks[start // B] = fresh
                 self.num_cow_copies += 1
             table.blocks.extend(self.pool.allocate(self.blocks_for(start + n) - len(table.blocks)))
@@ -164,13 +181,20 @@ class KVCacheManager:
         """Executes the step's pending block transfers through `mover`, then drops the
         references they held. The engine calls it before every forward pass and `simulate`
         after every request (with `NO_DATA`), so both release blocks through the same path."""
-        if not self.pending_copies:
-            return
-        src, dst = map(list, zip(*self.pending_copies, strict=True))
-        mover.copy_blocks(src, dst)
-        self.pending_copies.clear()
-        for b in src:
-            self.pool.decref(b)
+        for t in self.transfers.drain():
+            if t.kind is TransferKind.COPY:
+                mover.copy_blocks(t.src, t.dst)
+                for b in t.src:
+                    self.pool.decref(b)
+            elif t.kind is TransferKind.OFFLOAD:
+                mover.offload(t.src, t.dst)
+            else:
+                mover.load(t.src, t.dst)
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies queued for the next `run_transfers`, as (source, fresh)."""
+        return self.transfers.of_kind(TransferKind.COPY)
 
     def slot_usage(self, tables: Iterable[BlockTable]) -> tuple[int, int]:
         """(token slots holding KV, token slots in blocks in use). A cached block holds its
@@ -213,6 +237,17 @@ class KVCacheManager:
             count = self.pool.refcount(b)
             assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
         assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+        host = self.cache.host if self.cache is not None else None
+        if host is not None:
+            held = Counter(self.cache.referenced_host_blocks())
+            host_free = host.pool.free_blocks()
+            assert len(set(host_free)) == len(host_free), "a host block is on the free list twice"
+            for b in range(host.pool.num_blocks):
+                count = host.pool.refcount(b)
+                assert count == held[b], f"host block {b}: refcount {count}, but {held[b]} nodes hold it"
+            assert set(host_free) == {b for b in range(host.pool.num_blocks) if not held[b]}, (
+                "host free list is wrong"
+            )
 
     def _ensure_free(self, n: int) -> None:
         if n > self.pool.num_free and self.cache is not None:
