@@ -2,9 +2,12 @@
 transfers the model runner executes before each forward pass.
 
 Blocks the device cache evicts are written to host blocks (write-back) instead of dropped, and
-stay in the radix tree; a match that reaches them loads them back into fresh device blocks. With
-`write_through` a node gets its host copy as soon as it is cached, so device eviction never
-waits on a copy. The host pool evicts by its own policy, whole nodes at a time.
+stay in the radix tree; a match that reaches them loads them back into fresh device blocks and
+frees their host copy, so the two tiers hold distinct blocks and their capacities add up (on the
+Mooncake trace, 4,000 device + 16,000 host blocks find 0.571 of prompt tokens, one tier of
+20,000 0.572; keeping the host copies found 0.549). With `write_through` a node gets its host
+copy as soon as it is cached and keeps it, so device eviction never waits on a copy. The host
+pool evicts by its own policy, whole nodes at a time.
 
 Transfers are executed in the order they were queued, and every transfer is queued when its
 source holds the data it copies: a device block freed by eviction can be handed out again at

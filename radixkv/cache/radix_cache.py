@@ -20,7 +20,8 @@ With a host tier (`HostTier`) each node knows where its KV lives: on the device 
 the host (`host_blocks`), or both. Device residency is closed under prefixes (a node on the
 device has its parent there too), so device eviction takes nodes with no child on the device,
 and moves them to the host instead of dropping them; a match through host-only nodes loads them
-back into fresh device blocks, top down, as far as device blocks can be had. The host pool evicts
+back into fresh device blocks, top down, as far as device blocks can be had (freeing their host
+copies unless the tier writes through). The host pool evicts
 whole nodes by its own policy: a node's host copy when the node is also on the device, or a
 host-only node with no children.
 """
@@ -649,6 +650,8 @@ class RadixCache:
             self.transfers.add(TransferKind.LOAD, h.host_blocks, blocks)
             self.host.num_loaded += need
             self._set_device_blocks(h, blocks)
+            if not self.host.write_through:
+                self._refresh(h, self._free_host_copy)
             loaded += len(h.tokens)
             top = h
         self.dec_lock(node)
