@@ -146,6 +146,6 @@ def test_copy_on_write_sources_are_released_so_no_block_leaks():
     for i in range(30):
         prompt = [100 + i] * 6
         requests += [CacheRequest(0.0, prompt, []), CacheRequest(0.0, list(prompt), [])]
-    assert serve(kv, requests) == 30 * 5
+    assert serve(kv, requests).tokens == 30 * 5
     kv.check_invariants([])
     assert pool.num_free + kv.cache.evictable_size == pool.num_blocks
