@@ -21,7 +21,7 @@ MOONCAKE = shared_trace("mooncake_synthetic_trace.jsonl")
 
 def put(kv: KVCacheManager, tokens: list[int], session: str | None = None) -> None:
     """Serves `tokens` as one request would: admit, reserve the rest, cache, release."""
-    table = kv.admit(tokens, session)
+    table = kv.admit(tokens, session=session)
     kv.reserve([(table, len(tokens) - table.num_tokens)])
     kv.run_transfers(NO_DATA)
     kv.cache_finished(table, tokens)

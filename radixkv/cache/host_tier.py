@@ -68,6 +68,14 @@ class TransferQueue:
         self._read, self._written = set(), set()
         return out
 
+    def drop(self, kind: TransferKind) -> list[Transfer]:
+        """Takes every pending transfer of `kind` out of the queue; returns them."""
+        dropped = [t for t in self.pending if t.kind is kind]
+        self.pending = [t for t in self.pending if t.kind is not kind]
+        last = self.pending[-1] if self.pending else Transfer(kind, [], [])
+        self._read, self._written = set(last.src), set(last.dst)
+        return dropped
+
     def of_kind(self, kind: TransferKind) -> list[tuple[int, int]]:
         return [(s, d) for t in self.pending if t.kind is kind for s, d in zip(t.src, t.dst, strict=True)]
 

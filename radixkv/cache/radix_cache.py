@@ -148,6 +148,7 @@ class RadixCache:
         self.live_sessions: set[str] = set()  # the policy's own set when it ranks by session
         if isinstance(self.policy, SessionAware):
             self.live_sessions = self.policy.live
+        self._node_of: dict[int, RadixNode] = {}  # cached device block -> the node holding it
 
     # ----------------------------------------------------------------- lookups
 
@@ -268,6 +269,7 @@ class RadixCache:
                 continue
             for block in leaf.blocks[keep:]:
                 freed += self.pool.decref(block)
+                del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
             if keep:
@@ -295,6 +297,11 @@ class RadixCache:
             self._attach(node)
 
     # ----------------------------------------------------------- inspection
+
+    def evictable_block(self, block: int) -> bool:
+        """Whether `block` is cached in an unlocked node (eviction may take it)."""
+        node = self._node_of.get(block)
+        return node is not None and node.lock_ref == 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -347,6 +354,7 @@ class RadixCache:
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node} lock"
             for b in node.blocks:
                 assert b not in seen, f"block {b} is held by two nodes"
+                assert self._node_of.get(b) is node, f"block {b} is not mapped to {node}"
                 assert self.pool.refcount(b) >= 1, f"cached block {b} is free"
                 seen.add(b)
             for b in node.host_blocks:
@@ -360,6 +368,7 @@ class RadixCache:
                 leaves.add(node.id)
             if self.host is not None and self._host_evictable(node):
                 host_nodes.add(node.id)
+        assert len(self._node_of) == len(seen), "the block map holds blocks no node has"
         for node in self.nodes():
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), f"{node} index"
         assert (evictable, protected) == (self.evictable_size, self.protected_size), (
@@ -501,6 +510,7 @@ class RadixCache:
         parent.device_children += 1
         for b in blocks:
             self.pool.incref(b)
+            self._node_of[b] = node
         self.evictable_size += len(blocks)
         self.policy.touched(node)
         self._attach(parent)
@@ -520,9 +530,12 @@ class RadixCache:
         if blocks[0] != leaf.blocks[-1]:
             self.pool.incref(blocks[0])
             self.pool.decref(leaf.blocks[-1])
+            del self._node_of[leaf.blocks[-1]]
             leaf.blocks[-1] = blocks[0]
+            self._node_of[blocks[0]] = leaf
         for b in blocks[1:]:
             self.pool.incref(b)
+            self._node_of[b] = leaf
         leaf.blocks.extend(blocks[1:])
         leaf.tokens.extend(tokens)
         self.policy.touched(leaf)  # its end moved (the walk touched it already)
@@ -543,6 +556,8 @@ class RadixCache:
         mid.host_blocks = node.host_blocks[:nb]
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
         mid.priority, mid.session = node.priority, node.session
+        for b in mid.blocks:
+            self._node_of[b] = mid
         parent.children[block_key(mid.tokens[:B])] = mid
         siblings = parent.by_first[mid.tokens[0]]
         siblings[siblings.index(node)] = mid
@@ -579,13 +594,19 @@ class RadixCache:
             node.host_blocks = host_blocks
             self.transfers.add(TransferKind.OFFLOAD, node.blocks, host_blocks)
             self.host.num_offloaded += len(host_blocks)
-        freed = sum(self.pool.decref(b) for b in node.blocks)
-        self.evictable_size -= len(node.blocks)
-        self.num_evicted += len(node.blocks)
+        freed = self._release_device_blocks(node)
         node.blocks = []
         self._refresh(node.parent, _one_device_child_less)
         self._attach(node)
         return freed
+
+    def _release_device_blocks(self, node: RadixNode) -> int:
+        """Drops the cache's references on an unlocked node's device blocks; returns those freed."""
+        for b in node.blocks:
+            del self._node_of[b]
+        self.evictable_size -= len(node.blocks)
+        self.num_evicted += len(node.blocks)
+        return sum(self.pool.decref(b) for b in node.blocks)
 
     def _allocate_host(self, n: int) -> list[int] | None:
         """`n` host blocks, evicting host copies by the host policy; None when not possible."""
@@ -623,9 +644,7 @@ class RadixCache:
             self._detach(d)
             self.host.num_evicted += len(d.host_blocks)
             self._free_host_copy(d)
-        freed = sum(self.pool.decref(b) for b in node.blocks)
-        self.evictable_size -= len(node.blocks)
-        self.num_evicted += len(node.blocks)
+        freed = self._release_device_blocks(node)
         node.children, node.by_first = {}, {}
         self._remove(node)
         return freed
@@ -676,6 +695,8 @@ class RadixCache:
     def _set_device_blocks(self, node: RadixNode, blocks: list[int]) -> None:
         self._detach(node)
         node.blocks = list(blocks)
+        for b in blocks:
+            self._node_of[b] = node
         if node.lock_ref:
             self.protected_size += len(blocks)
         else:

@@ -90,7 +90,7 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
             t, i, k = heapq.heappop(due)
             turn = sessions[i].turns[k]
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            request_id = engine.add_request(convs[i].prompt(turn.user), params, sessions[i].name)
+            request_id = engine.add_request(convs[i].prompt(turn.user), params, session_id=sessions[i].name)
             in_flight[request_id] = (i, k, t)
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)

@@ -144,7 +144,7 @@ def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptim
     for i, req in enumerate(requests):
         if oracle is not None:
             oracle.advance(i)
-        table = kv.admit(req.prompt, req.session)
+        table = kv.admit(req.prompt, session=req.session)
         hits += table.num_tokens
         host_hits += table.num_loaded_tokens
         tokens = req.prompt + req.output
