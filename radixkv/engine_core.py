@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget
+from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget, parse_bytes
 from radixkv.cache.eviction import make_policy
+from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.config import EngineConfig
@@ -74,9 +75,16 @@ class EngineCore:
         per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
         budget = config.kv_cache_memory or default_kv_cache_memory(m.device)
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
-        cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
-        self.kv = KVCacheManager(self.pool, cache)
-        self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size)
+        host = None
+        if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
+            num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
+            host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
+        cache = None
+        if config.enable_prefix_cache:
+            cache = RadixCache(self.pool, make_policy(config.eviction), host)
+        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
+        num_host = host.pool.num_blocks if host else 0
+        self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size, num_host)
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -302,6 +310,7 @@ class EngineCore:
 
     def metrics(self) -> dict:
         cache = self.kv.cache
+        host = cache.host if cache is not None else None
         return {
             "kv_cache_usage": 1.0 - self.pool.num_free / self.pool.num_blocks,
             "num_blocks": self.pool.num_blocks,
@@ -311,6 +320,13 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_blocks": cache.num_evicted if cache else 0,
             "num_cow_copies": self.kv.num_cow_copies,
+            "num_host_blocks": host.pool.num_blocks if host else 0,
+            "num_free_host_blocks": host.pool.num_free if host else 0,
+            "host_cache_hits": self.scheduler.host_cache_hits,
+            "num_offloaded_blocks": host.num_offloaded if host else 0,
+            "num_loaded_blocks": host.num_loaded if host else 0,
+            "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
             "time_to_first_token_seconds": self.ttft.as_dict(),

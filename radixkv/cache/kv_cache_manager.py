@@ -72,14 +72,31 @@ class BlockTable:
     num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
 
 
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None) -> None:
+    """`preemption_mode`: what a preempted sequence's KV becomes. `recompute`: it is cached in
+    the tree like a finished sequence's, and whatever eviction leaves of it is a hit on
+    resumption. `swap` (needs a host tier): it is cached, moved to the host tier at once, and
+    pinned there until the request is admitted again, so resumption loads all of it and
+    recomputes nothing."""
+
+    def __init__(self, pool: BlockPool, cache: RadixCache | None, preemption_mode: str = "recompute") -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and (cache is None or cache.host is None):
+            raise ValueError("preemption_mode 'swap' needs a host tier (host_kv_cache_memory > 0)")
+        self.preemption_mode = preemption_mode
         self.pool = pool
         self.cache = cache
         self.block_size = pool.block_size
         self.transfers = cache.transfers if cache is not None else TransferQueue()
         self.num_cow_copies = 0
         self._live: dict[object, set[BlockTable]] = {}  # owner -> its live tables
+        self._swapped: dict[object, list[RadixNode]] = {}  # owner -> locked paths of its swapped KV
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     @property
     def num_available(self) -> int:
@@ -173,9 +190,32 @@ class KVCacheManager:
                 del self._live[table.owner]
 
     def release_owner(self, owner: object) -> None:
-        """Releases every live table of `owner`, uncached: what a failed step left behind."""
+        """Releases every live table of `owner`, uncached: what a failed step left behind; and
+        the locks on its swapped-out KV."""
         for table in list(self._live.get(owner, ())):
             self.release(table)
+        for node in self._swapped.pop(owner, ()):
+            self.cache.unpin(node)
+
+    def preempt(self, table: BlockTable, tokens: list[int]) -> None:
+        """Caches and releases a preempted sequence's table; in `swap` mode also moves its
+        computed KV to the host tier and pins it there for the owner (see `swap_in`)."""
+        computed, owner = table.num_tokens, table.owner
+        self.cache_finished(table, tokens)
+        if self.preemption_mode == "swap" and owner is not None and computed:
+            node, moved = self.cache.swap_out(tokens[:computed])
+            self.num_swapped_out_blocks += moved
+            if node is not None:
+                self._swapped.setdefault(owner, []).append(node)
+
+    def swap_in(self, owner: object) -> None:
+        """The owner was admitted again (its tables matched and loaded its swapped KV): the
+        pins that kept that KV on the host are released."""
+        for node in self._swapped.pop(owner, ()):
+            self.cache.unpin(node)
+        self.num_swapped_in_blocks += sum(
+            self.blocks_for(t.num_loaded_tokens) for t in self._live.get(owner, ())
+        )
 
     def drop_copies(self) -> None:
         """Forgets the pending copy-on-write copies (a failed step), dropping their source
@@ -268,12 +308,14 @@ class KVCacheManager:
             while node is not None and node.parent is not None:
                 locks[node.id] += 1
                 node = node.parent
+        pins = Counter(n.id for nodes in self._swapped.values() for n in nodes)
         if self.cache is not None:
             self.cache.check_invariants()
             refs.update(self.cache.referenced_blocks())
             for node in self.cache.nodes():
                 if node is not self.cache.root:
                     assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
+                    assert node.host_pin == pins[node.id], f"{node} host_pin, swapped holds {pins[node.id]}"
         free = self.pool.free_blocks()
         assert len(set(free)) == len(free), "a block is on the free list twice"
         for b in range(self.pool.num_blocks):

@@ -49,6 +49,7 @@ class RadixNode:
         "device_children",
         "hits",
         "host_blocks",
+        "host_pin",
         "id",
         "in_host_set",
         "in_leaf_set",
@@ -76,6 +77,7 @@ class RadixNode:
         self.tokens = tokens
         self.blocks = blocks  # device blocks; empty when the KV lives on the host only
         self.host_blocks: list[int] = []  # host blocks; empty when there is no host copy
+        self.host_pin = 0  # swapped-out sequences ending here: the host tier must not evict it
         self.children: dict[int, RadixNode] = {}  # xxhash of the child's first block of tokens
         self.by_first: dict[int, list[RadixNode]] = {}  # the child's first token -> children
         self.device_children = 0  # children with device blocks
@@ -172,12 +174,23 @@ class RadixCache:
             partial = node
             node = self._split(node, full - node.start) if full > node.start else node.parent
         host_tokens = 0
-        if self.host is not None and node is not self.root and not node.blocks:
-            deepest, host_tokens = self._load_path(node)
-            if deepest is not node:
-                node, partial = deepest, None
-        if partial is not None and not partial.blocks:
-            partial = None  # a partly matched block on the host only: not worth a load
+        on_host = node is not self.root and not node.blocks
+        if self.host is not None and (on_host or (partial is not None and not partial.blocks)):
+            anchor = partial if partial is not None else node
+            self.inc_lock(anchor)  # loads evict: keep the whole match, partial block included
+            if on_host:
+                deepest, host_tokens = self._load_path(node)
+                if deepest is not node:
+                    node, partial = deepest, None
+            if partial is not None and not partial.blocks:  # a partly matched block on the host
+                if len(partial.tokens) > self.block_size:
+                    partial = self._split(partial, self.block_size)
+                loaded, _ = self._load_path(partial)
+                if loaded is partial:
+                    host_tokens += matched - full
+                else:
+                    partial = None
+            self.dec_lock(anchor)
         blocks = self._path_blocks(node)
         if partial is not None:
             blocks.append(partial.blocks[0])
@@ -280,6 +293,38 @@ class RadixCache:
             else:
                 self._remove(leaf)
         return freed
+
+    def swap_out(self, tokens: list[int]) -> tuple[RadixNode | None, int]:
+        """Moves the cached path of `tokens` (just inserted) to the host tier, from its end up,
+        as far as its nodes are evictable (a prefix that other sequences hold stays), and pins
+        its last node on the host: the host policy never evicts it, nor (having children) the
+        host-only nodes above it. Device nodes above it are evicted as usual, to the host; only
+        a host tier full of pinned KV drops them (their sequences recompute). Returns the pinned
+        node (None when nothing of it is cached) and the device blocks written to the host.
+        Pair with `unpin`. No device block stays locked for a sequence that is not running, so
+        swapped requests can never hold the device pool against their own readmission."""
+        offloaded = self.host.num_offloaded
+        node, *_ = self._walk(tokens, touch=False)
+        while node is not self.root and node.in_leaf_set:
+            parent = node.parent
+            self._detach(node)
+            self._move_to_host(node)
+            node = parent
+        node, *_ = self._walk(tokens, touch=False)
+        if node is self.root:
+            return None, self.host.num_offloaded - offloaded
+        self._refresh(node, _pin)
+        return node, self.host.num_offloaded - offloaded
+
+    def unpin(self, node: RadixNode) -> None:
+        """Ends a `swap_out` pin (the node may have left the tree meanwhile)."""
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is self.root:
+            self._refresh(node, _unpin)
+        else:
+            _unpin(node)
 
     def set_session_live(self, session: str, live: bool) -> None:
         """Marks a chat session live (it has more turns to come) or closed. Evictable leaves the
@@ -393,7 +438,12 @@ class RadixCache:
         return node.lock_ref == 0 and bool(node.blocks) and node.device_children == 0
 
     def _host_evictable(self, node: RadixNode) -> bool:
-        return node.lock_ref == 0 and bool(node.host_blocks) and (bool(node.blocks) or not node.children)
+        return (
+            node.lock_ref == 0
+            and node.host_pin == 0
+            and bool(node.host_blocks)
+            and (bool(node.blocks) or not node.children)
+        )
 
     def _detach(self, node: RadixNode) -> None:
         """Takes `node` out of the evictable sets, before anything its keys read changes."""
@@ -575,6 +625,7 @@ class RadixCache:
         self._detach(node)
         self._detach(parent)
         self._unlink(node)
+        node.parent = None  # out of the tree
         if node.blocks:
             parent.device_children -= 1
         self._attach(parent)
@@ -645,8 +696,8 @@ class RadixCache:
             self.host.num_evicted += len(d.host_blocks)
             self._free_host_copy(d)
         freed = self._release_device_blocks(node)
-        node.children, node.by_first = {}, {}
         self._remove(node)
+        node.blocks, node.children, node.by_first = [], {}, {}
         return freed
 
     def _load_path(self, node: RadixNode) -> tuple[RadixNode, int]:
@@ -716,6 +767,14 @@ class RadixCache:
             self.transfers.add(TransferKind.OFFLOAD, node.blocks, host_blocks)
             self.host.num_offloaded += len(host_blocks)
         self._attach(node)
+
+
+def _pin(node: RadixNode) -> None:
+    node.host_pin += 1
+
+
+def _unpin(node: RadixNode) -> None:
+    node.host_pin -= 1
 
 
 def _one_device_child_less(node: RadixNode) -> None:
