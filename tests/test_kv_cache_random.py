@@ -49,7 +49,10 @@ class Harness:
         self.pool = BlockPool(num_blocks, block_size)
         self.host = HostTier(host_blocks, block_size, write_through=write_through) if host_blocks else None
         self.cache = RadixCache(self.pool, make_policy(policy), self.host)
-        self.kv = KVCacheManager(self.pool, self.cache)
+        self.kv = KVCacheManager(self.pool, self.cache, "swap" if host_blocks else "recompute")
+        self.owners = iter(range(10**9))
+        self.swapped: list[tuple[int, list[int]]] = []  # (owner, computed tokens) preempted by swap
+        self.restored = 0  # swapped sequences that came back whole
         self.slots = np.full((num_blocks, block_size), -1, dtype=np.int64)  # fake KV
         self.host_slots = np.full((max(host_blocks, 1), block_size), -1, dtype=np.int64)
         self.reference: list[list[int]] = []
@@ -67,9 +70,15 @@ class Harness:
     # ---------------------------------------------------------------- operations
 
     def admit(self) -> None:
-        tokens = self.prompt()
+        tokens, owner, resumed = self.prompt(), next(self.owners), None
+        if self.swapped and self.rng.random() < 0.3:  # a swapped-out sequence is readmitted
+            owner, resumed = self.swapped.pop(self.rng.randrange(len(self.swapped)))
+            tokens = resumed + [self.rng.randrange(3)]
         session = self.rng.choice([None, "a", "b", "c"])
-        table = self.kv.admit(tokens, session=session)
+        table = self.kv.admit(tokens, owner, session)
+        if resumed is not None:
+            self.kv.swap_in(owner)
+            self.restored += table.num_tokens == len(resumed)
         expected = max((common_prefix(tokens[:-1], s) for s in self.reference), default=0)
         if self.host is None:
             assert table.num_tokens == expected or (not self.exact and table.num_tokens < expected), (
@@ -151,9 +160,15 @@ class Harness:
                 self.reference.append(tokens[:full])
         elif op < 0.8:
             table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
-            if table.num_tokens:
-                self.reference.append(tokens[: table.num_tokens])
-            self.kv.cache_finished(table, tokens)
+            computed, owner = table.num_tokens, table.owner
+            if computed:
+                self.reference.append(tokens[:computed])
+            if self.host is not None and self.rng.random() < 0.5:
+                self.kv.preempt(table, tokens)  # swap: to the host, pinned until readmitted
+                if computed:
+                    self.swapped.append((owner, tokens[:computed]))
+            else:
+                self.kv.cache_finished(table, tokens)
         elif op < 0.86:
             table, _ = self.live.pop(self.rng.randrange(len(self.live)))
             self.kv.release(table)
@@ -228,6 +243,7 @@ def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
     run(h, 4000)
     host = h.host
     assert host.num_offloaded and host.num_loaded and host.num_evicted, "the host tier was not exercised"
+    assert h.kv.num_swapped_out_blocks and h.restored, "no swapped-out sequence came back whole"
 
 
 def run(h: Harness, steps: int) -> None:
