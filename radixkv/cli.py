@@ -44,8 +44,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
     from radixkv import Engine, EngineConfig, SamplingParams
+    from radixkv.tools.engine_args import host_config
 
-    engine = Engine(EngineConfig(model=args.model))
+    engine = Engine(EngineConfig(model=args.model, **host_config(args)))
     session = engine.chat(system=args.system)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     while True:
@@ -70,7 +71,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.server import launch
-    from radixkv.tools import replay, simulate
+    from radixkv.tools import engine_args, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.7)
+    engine_args.add_host_arguments(chat)
     chat.set_defaults(func=_chat)
 
     bench = commands.add_parser("bench", help="benchmarks")
