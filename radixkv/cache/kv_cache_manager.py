@@ -129,6 +129,23 @@ class KVCacheManager:
                 self.pool.decref(table.blocks[i])
                 table.blocks[i] = b
 
+    def serve_without_model(self, prompt: list[int], output: list[int]) -> int:
+        """One whole request with no KV data to compute (simulation, routing estimates): admits
+        `prompt` through the cache, then caches `prompt + output` as a finished sequence would.
+        Returns the prompt tokens found. A request longer than the whole pool is served but not
+        cached."""
+        table = self.admit(prompt)
+        hits = table.num_tokens
+        tokens = prompt + output
+        try:
+            self.reserve([(table, len(tokens) - table.num_tokens)])
+        except OutOfBlocks:
+            self.release(table)
+            return hits
+        self.run_copies(lambda src, dst: None)  # only the references move
+        self.cache_finished(table, tokens)
+        return hits
+
     def run_copies(self, copy: Callable[[list[int], list[int]], None]) -> None:
         """Executes the pending copies (`copy(src, dst)`), then drops their source references."""
         if not self.pending_copies:
