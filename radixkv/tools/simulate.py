@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import POLICIES, make_policy
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
+from radixkv.router import ROUTERS
 from radixkv.workloads.format import Workload, read_workload
 from radixkv.workloads.traces import HashIdTokens, iter_lines, read_hash_trace
 
@@ -94,29 +95,27 @@ def is_hash_trace(path: str | Path) -> bool:
 
 def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: int, eviction: str) -> int:
     """Prompt tokens the cache finds, serving `requests` in order at this capacity."""
+    kv = new_cache(capacity_blocks, block_size, eviction)
+    return sum(kv.serve_without_model(req.prompt, req.output) for req in requests)
+
+
+def new_cache(capacity_blocks: int, block_size: int, eviction: str) -> KVCacheManager:
     pool = BlockPool(capacity_blocks, block_size)
-    kv = KVCacheManager(pool, RadixCache(pool, make_policy(eviction)))
-    hits = 0
-    for req in requests:
-        table = kv.admit(req.prompt)
-        hits += table.num_tokens
-        tokens = req.prompt + req.output
-        try:
-            kv.reserve([(table, len(tokens) - table.num_tokens)])
-        except OutOfBlocks:  # longer than the whole cache: served, but not cached
-            kv.release(table)
-            continue
-        kv.pending_copies.clear()  # no KV data here; the copies' source references still go
-        kv.cache_finished(table, tokens)
-    return hits
+    return KVCacheManager(pool, RadixCache(pool, make_policy(eviction)))
+
+
+def ideal_hit_rate(requests: list[CacheRequest], block_size: int, eviction: str) -> float:
+    """The hit rate of a cache large enough never to evict."""
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
+    return hit_tokens(requests, max(blocks_for_all, 1), block_size, eviction) / max(prompt_tokens, 1)
 
 
 def simulate(
     requests: list[CacheRequest], capacities: list[int], block_size: int, eviction: str
 ) -> list[SimulationResult]:
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
-    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, eviction) / max(prompt_tokens, 1)
+    ideal = ideal_hit_rate(requests, block_size, eviction)
     results = []
     for capacity in capacities:
         start = time.perf_counter()
@@ -153,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
     parser.add_argument("--model", default="tiny-llama", help="tokenizer for text workloads")
+    parser.add_argument("--replicas", type=int, help="simulate N replica caches behind a router")
+    parser.add_argument(
+        "--router",
+        type=_routers,
+        default=["cache-aware"],
+        help=f"with --replicas: one or more of {','.join(ROUTERS)}, comma-separated",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -163,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = read_workload(path)
         requests = requests_from_workload(workload, workload_tokenizer(workload, args.model))
+    if args.replicas is not None:
+        from radixkv.tools import simulate_replicas
+
+        return simulate_replicas.run(args, path.name, requests)
     results = simulate(requests, args.capacity_blocks, args.block_size, args.eviction)
     if args.json:
         rows = [asdict(r) for r in results]
@@ -192,3 +202,11 @@ def _capacities(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"capacities must be >= 1 block, got {text!r}")
     return values
+
+
+def _routers(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown router {unknown[0]!r}; choose from {', '.join(ROUTERS)}")
+    return names
