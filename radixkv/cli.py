@@ -25,6 +25,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_kernels.run(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from radixkv.server import launch
+
+    return launch.run(args)
+
+
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
     from radixkv import Engine, EngineConfig, SamplingParams
@@ -53,6 +59,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixkv.server import launch
     from radixkv.tools import replay, simulate
     from radixkv.workloads import commands as workload_commands
 
@@ -68,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = commands.add_parser("replay", help="replay a multi-turn workload and report time to first token")
     replay.add_arguments(rep)
     rep.set_defaults(func=_replay)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    launch.add_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="chat with a model in the terminal")
     chat.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")

@@ -82,7 +82,7 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
     heapq.heapify(due)
     in_flight: dict[str, tuple[int, int, float]] = {}
     records: list[TurnRecord] = []
-    bar = _progress_bar(sum(len(s.turns) for s in sessions), progress)
+    bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
     start = time.perf_counter()
     while due or in_flight:
         now = time.perf_counter() - start
@@ -182,7 +182,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
 
-def _progress_bar(total: int, enabled: bool) -> Any:
+def progress_bar(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
@@ -206,12 +206,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    remote = parser.add_argument_group("against a server (instead of in process)")
+    remote.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    remote.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    remote.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default=None,
+        help="default: completions for token-id workloads, chat for text ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
     workload = read_workload(args.workload)
+    if args.url is not None:
+        return _run_remote(args, workload)
     base = {
         "model": args.model,
         "block_size": args.block_size,
@@ -231,6 +242,33 @@ def run(args: argparse.Namespace) -> int:
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
         "runs": {name: summarize(result) for name, result in runs.items()},
     }
+    _emit(args, report, runs)
+    return 0
+
+
+def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
+    """`--url`: one run against the server; its report has the same shape, `config` naming the server."""
+    from radixkv.tools.replay_http import Server, replay_url
+
+    if args.compare:
+        raise ValueError("--compare replays in process; against --url, run a server without its cache")
+    tokenizer = workload_tokenizer(workload, args.model)
+    server = Server(args.url, args.api_key, args.endpoint)
+    progress = sys.stderr.isatty() and not args.json
+    runs = {"prefix_cache": replay_url(workload, server, tokenizer, args.speed, progress)}
+    report = {
+        "workload": str(args.workload),
+        "model": server.served_model(),
+        "config": {"url": args.url, "endpoint": args.endpoint, "speed": args.speed},
+        "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
+        "runs": {name: summarize(result) for name, result in runs.items()},
+    }
+    _emit(args, report, runs)
+    return 0
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, RunResult]) -> None:
+    """Writes the report and plot where asked, and prints the report."""
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -241,7 +279,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-    return 0
 
 
 def format_report(report: dict[str, Any]) -> str:
