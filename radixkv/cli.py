@@ -26,6 +26,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from radixkv.cluster import launch as cluster_launch
+
+        return cluster_launch.run(args)
     from radixkv.server import launch
 
     return launch.run(args)
@@ -59,6 +63,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixkv.cluster import launch as cluster_launch
     from radixkv.server import launch
     from radixkv.tools import replay, simulate
     from radixkv.workloads import commands as workload_commands
@@ -78,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     launch.add_arguments(serve)
+    cluster_launch.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="chat with a model in the terminal")
