@@ -16,30 +16,38 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncEngine": "radixkv.async_engine",
     "Beam": "radixkv.outputs",
     "BeamSearchParams": "radixkv.sampling_params",
     "Engine": "radixkv.engine",
     "EngineConfig": "radixkv.config",
+    "RequestError": "radixkv.errors",
     "RequestOutput": "radixkv.outputs",
     "Sample": "radixkv.outputs",
     "SamplingParams": "radixkv.sampling_params",
     "StreamDelta": "radixkv.outputs",
+    "TokenLogprob": "radixkv.outputs",
 }
 __all__ = [
+    "AsyncEngine",
     "Beam",
     "BeamSearchParams",
     "Engine",
     "EngineConfig",
+    "RequestError",
     "RequestOutput",
     "Sample",
     "SamplingParams",
     "StreamDelta",
+    "TokenLogprob",
 ]
 
 if TYPE_CHECKING:
+    from radixkv.async_engine import AsyncEngine
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
-    from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
+    from radixkv.errors import RequestError
+    from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta, TokenLogprob
     from radixkv.sampling_params import BeamSearchParams, SamplingParams
 
 

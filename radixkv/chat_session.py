@@ -9,19 +9,22 @@ tokens. Sessions with the same system prompt share its blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from radixkv.conversation import Conversation
 from radixkv.outputs import RequestOutput, StreamDelta
 from radixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from radixkv.async_engine import AsyncEngine
     from radixkv.engine import Engine
 
 
-class ChatSession:
-    def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
+class _Session:
+    """The conversation and how a reply joins it, for both session kinds."""
+
+    def __init__(self, engine: Any, system: str | list[int] | None) -> None:
         self.engine = engine
         self.conversation = Conversation(engine.tokenizer, system)
 
@@ -29,6 +32,16 @@ class ChatSession:
     def messages(self) -> list[dict[str, str]]:
         """The conversation as `{"role", "content"}` messages (text sessions)."""
         return self.conversation.messages
+
+    def _record(self, reply: list[int], finish_reason: str | None) -> None:
+        text = self.engine.decode(reply)
+        if finish_reason == "stop" and reply and reply[-1] in self.engine.eos_token_ids:
+            reply = reply[:-1]  # the chat template closes the turn itself
+        self.conversation.add_reply(reply, text)
+
+
+class ChatSession(_Session):
+    engine: Engine
 
     def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
         """Sends the user's message; returns the engine's reply. With n > 1 the first sample
@@ -46,8 +59,24 @@ class ChatSession:
             yield piece
         self._record(reply, reason)
 
-    def _record(self, reply: list[int], finish_reason: str | None) -> None:
-        text = self.engine.decode(reply)
-        if finish_reason == "stop" and reply and reply[-1] in self.engine.model.eos_token_ids:
-            reply = reply[:-1]  # the chat template closes the turn itself
-        self.conversation.add_reply(reply, text)
+
+class AsyncChatSession(_Session):
+    """`ChatSession` over an `AsyncEngine`: `await send(...)`, `async for piece in stream(...)`.
+    A turn that is cancelled or fails leaves the conversation unchanged."""
+
+    engine: AsyncEngine
+
+    async def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
+        out = await self.engine.generate(self.conversation.prompt(message), params)
+        self._record(out.token_ids, out.finish_reason)
+        return out
+
+    async def stream(
+        self, message: str | list[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        reply, reason = [], None
+        async for piece in self.engine.stream(self.conversation.prompt(message), params):
+            reply.append(piece.token_id)
+            reason = piece.finish_reason
+            yield piece
+        self._record(reply, reason)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution (before temperature
+    and top-k/top-p), and the `logprobs` most likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
@@ -10,8 +20,9 @@ class Sample:
     """One generated continuation. `token_ids` are the generated tokens only, never the prompt."""
 
     token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    text: str  # ends before the stop string that ended it, if one did
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "abort"
+    logprobs: list[TokenLogprob] | None = None  # one per token, when `SamplingParams.logprobs` is set
 
 
 @dataclass(slots=True)
@@ -42,17 +53,23 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class Beam:
-    """A finished beam-search hypothesis: generated tokens and their length-penalized score."""
+    """A finished beam-search hypothesis: generated tokens and their length-penalized score.
+    `finish_reason` is "stop" when it ended with EOS, else "length" (max_tokens or max_model_len)."""
 
     token_ids: list[int]
     text: str
     score: float
+    finish_reason: str = "length"
 
 
 @dataclass(slots=True)
 class StreamDelta:
-    """What `Engine.stream` yields per generated token; `finish_reason` is set on the last."""
+    """What `stream` yields per generated token; `finish_reason` is set on the last.
+
+    `text` is the text this token completes: "" while it ends inside a multi-byte character or
+    might begin a stop string; the texts of all deltas joined are the sample's text."""
 
     token_id: int
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = field(default=None)  # this token's record, when asked for

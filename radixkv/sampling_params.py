@@ -1,21 +1,48 @@
 """What a request asks of generation, validated at the door.
 
 Every check names the field and the allowed range, so a bad request fails before any work and
-leaves every other request untouched.
+leaves every other request untouched. Types are checked as strictly as ranges: a `bool` is not an
+integer here, a number must be finite, and a string where a number belongs is refused here rather
+than inside a step, where it would fail a whole batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
+MAX_STOP_STRINGS = 16
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not _is_int(value) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Sampling for `Engine.generate` and `Engine.stream`.
+    """Sampling for `generate` and `stream`.
 
     `temperature == 0` is greedy. `top_k == -1` and `top_p == 1.0` switch those filters off.
     `seed` makes a request reproducible whatever else shares its batch. `n` samples share the
-    prompt's KV blocks and copy only the partly filled last block when they write.
+    prompt's KV blocks and copy only the partly filled last block when they write. `stop`
+    strings end a sample (finish_reason "stop") whose text then ends before the stop string,
+    even when the string spans several tokens. `logprobs` k (0 to 20) returns each generated
+    token's log-probability and the k most likely alternatives; None returns none.
     """
 
     max_tokens: int = 16
@@ -26,6 +53,8 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -33,20 +62,37 @@ class SamplingParams:
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range. Run again at submission, since
         a caller may have changed a field after construction."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        _check_int("n", self.n, 1)
+        _check_bool("ignore_eos", self.ignore_eos)
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if (
+            not isinstance(self.stop, list | tuple)
+            or len(self.stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise ValueError(
+                f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -55,12 +101,13 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class BeamSearchParams:
-    """Beam search for `Engine.beam_search`, with the semantics of transformers' `generate`.
+    """Beam search for `beam_search`, with the semantics of transformers' `generate`.
 
     A finished hypothesis scores `sum(logprobs) / generated_length ** length_penalty`, as
     transformers scores it. `early_stopping=True` stops once `beam_width` hypotheses are
     finished; False stops when the best running beam, scored at its current length, cannot beat
-    the worst finished one; "never" scores it at the longest length it could still reach.
+    the worst finished one; "never" scores it at the longest length it could still reach. Beams
+    also end at the engine's `max_model_len` (finish_reason "length").
     """
 
     beam_width: int = 4
@@ -74,9 +121,12 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
-        if self.early_stopping not in (True, False, "never"):
+        _check_int("beam_width", self.beam_width, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not _is_real(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (
+            self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
+        ):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_bool("ignore_eos", self.ignore_eos)

@@ -28,8 +28,11 @@ class Continuation(NamedTuple):
 
 
 class BeamSearch:
-    def __init__(self, params: BeamSearchParams, eos_token_ids: list[int]) -> None:
+    def __init__(self, params: BeamSearchParams, eos_token_ids: list[int], max_new_tokens: int) -> None:
+        """`max_new_tokens`: `params.max_tokens`, or fewer where the engine's `max_model_len`
+        leaves less room after the prompt; a beam reaching it ends like one reaching max_tokens."""
         self.params = params
+        self.max_new_tokens = max_new_tokens
         self.k = params.beam_width
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.keep = max(2, 1 + len(self.eos)) * self.k  # continuations looked at per step
@@ -56,7 +59,7 @@ class BeamSearch:
         tokens = (top_index % vocab)[0].tolist()
         length = self.generated + 1
         ends = torch.tensor(
-            [[t in self.eos or length >= self.params.max_tokens for t in tokens]], dtype=torch.bool
+            [[t in self.eos or length >= self.max_new_tokens for t in tokens]], dtype=torch.bool
         )
 
         running = top_scores + ends.to(torch.float32) * _MASK
@@ -103,7 +106,7 @@ class BeamSearch:
     def _update_improvable(self) -> None:
         p = self.params
         if p.early_stopping == "never" and p.length_penalty > 0.0:
-            best_length = p.max_tokens
+            best_length = self.max_new_tokens
         else:
             best_length = self.generated
         best_running = self.running_scores[:1] / (best_length**p.length_penalty)

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.cache.kv_cache_manager import BlockTable
+from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    FINISHED = "finished"
+    FINISHED = "finished"  # done, aborted or failed (`Request.error`): the one end of a request
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +39,20 @@ class Sequence:
     logprobs: torch.Tensor | None = None  # a beam's next-token row, held until its group steps
     score: float | None = None  # a finished beam's score
     index: int = 0  # which of a request's n samples
+    detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (sampling)
+    token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
+
+    def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
+        """Sample `index` of the same prompt, before any token is generated: shares the KV."""
+        return Sequence(
+            list(self.tokens),
+            self.num_prompt_tokens,
+            table,
+            generator,
+            index=index,
+            detok=self.detok.fork() if self.detok is not None else None,
+            token_logprobs=[] if self.token_logprobs is not None else None,
+        )
 
     @property
     def output_ids(self) -> list[int]:
@@ -62,6 +78,25 @@ class Request:
     finish_time: float | None = None
     inter_token_s: list[float] = field(default_factory=list)  # gaps between the request's steps with tokens
     waited_steps: int = 0
+    error: BaseException | None = None  # why the request failed (a RequestError), if it did
+
+    @property
+    def width(self) -> int:
+        """The sequences the request runs once its prompt is computed (`n` or `beam_width`)."""
+        p = self.params
+        return p.beam_width if isinstance(p, BeamSearchParams) else p.n
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences counted against `max_num_seqs`: the forks to come count from admission."""
+        return len(self.seqs) if self.prompt_done else self.width
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """Moves `seq` (already out of `seqs`, its table released) to the finished ones."""
+        seq.finish_reason = reason
+        if seq.detok is not None and reason != "abort":  # an aborted text ends at what was released
+            seq.detok.finish(seq.tokens)
+        self.finished_seqs.append(seq)
 
     @property
     def is_beam_search(self) -> bool:

@@ -10,7 +10,10 @@ exceeds the step's token budget), up to `max_num_seqs` sequences. `schedule()` d
    matched path, shares its blocks (a partly matched last block is copied on its first write)
    and gets blocks for its uncached part only. A request whose prompt shares a block or more of
    not-yet-cached tokens with a prompt being prefilled now waits for it, so shared new prefixes
-   are computed once and then hit.
+   are computed once and then hit. Admission counts exactly what allocation plus eviction can
+   deliver (`KVCacheManager.num_available`), and a request's forks (`n`, `beam_width`) count
+   against `max_num_seqs` from admission on.
+`remove()` takes a request out at any stage (abort, failure), releasing what it holds.
 `postprocess()` takes the logits: samples or steps beam search, appends tokens, caches each
 prompt's blocks as they are computed, and caches and releases what finished.
 """
@@ -29,7 +32,7 @@ from radixkv.scheduler.waiting_queue import WaitingQueue
 from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
-from radixkv.model.sampler import compute_logprobs, make_generator, sample
+from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 
 
 @dataclass(slots=True)
@@ -72,15 +75,29 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         if request.is_beam_search:
-            self.beams[request.request_id] = BeamSearch(request.params, sorted(self.eos))
+            max_new = min(request.params.max_tokens, self.max_model_len - len(request.prompt_ids))
+            self.beams[request.request_id] = BeamSearch(request.params, sorted(self.eos), max_new)
         self.waiting.add(request)
+
+    def remove(self, request: Request) -> None:
+        """Takes `request` out wherever it is (waiting, running, mid-admission) and releases every
+        table it holds, uncached. The caller decides what its sequences' KV was worth."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        self.beams.pop(request.request_id, None)
+        self.kv.release_owner(request.request_id)
+        for seq in request.seqs:
+            seq.table = None
+            seq.logprobs = None
 
     def has_work(self) -> bool:
         return bool(self.running or len(self.waiting))
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(r.seqs) for r in self.running)
+        return sum(r.num_seqs for r in self.running)
 
     # ------------------------------------------------------------------ schedule
 
@@ -96,7 +113,8 @@ class Scheduler:
                 try:
                     self.kv.reserve([(seq.table, n) for seq, n in plan])
                     break
-                except OutOfBlocks:
+                except OutOfBlocks:  # reserve changed nothing
+
                     victim = self.running[-1]  # never one scheduled already: those are in front
                     self._preempt(victim)
                     preempted = True
@@ -114,25 +132,32 @@ class Scheduler:
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
         for request in self.waiting.ordered():
-            if budget <= 0 or self.num_running_seqs + len(request.seqs) > self.max_num_seqs:
+            if budget <= 0 or self.num_running_seqs + request.num_seqs > self.max_num_seqs:
                 break
             if self._waits_for_shared_prefill(request):
                 continue
             for seq in request.seqs:
-                seq.table = self.kv.admit(seq.tokens)
+                assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
+                seq.table = self.kv.admit(seq.tokens, request.request_id)
+            cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
             # Leave a block of growth for every running sequence, or the next step preempts.
-            if need > self.kv.num_available - self.num_running_seqs:
+            fits = need <= self.kv.num_available - self.num_running_seqs
+            if fits:
+                try:
+                    self.kv.reserve([(seq.table, n) for seq, n in plan])
+                except OutOfBlocks:  # num_available is exact, so this means a bookkeeping bug
+                    fits = False
+            if not fits:
                 for seq in request.seqs:
                     self.kv.release(seq.table)
                     seq.table = None
                 break
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.seqs[0].table.num_tokens
+                request.num_cached_tokens = cached
                 self.prefix_cache_queries += len(request.prompt_ids)
                 self.prefix_cache_hits += request.num_cached_tokens
-            self.kv.reserve([(seq.table, n) for seq, n in plan])
             self.waiting.remove(request)
             self.running.append(request)
             request.status = Status.RUNNING
@@ -209,7 +234,10 @@ class Scheduler:
         if sampled:
             rows = logits[[r for _, _, r in sampled]]
             tokens = sample(rows, [req.params for req, _, _ in sampled], [s.generator for _, s, _ in sampled])
-            for (request, seq, _), token in zip(sampled, tokens.tolist(), strict=True):
+            records = token_logprobs(rows, tokens, [req.params.logprobs for req, _, _ in sampled])
+            for (request, seq, _), token, record in zip(sampled, tokens.tolist(), records, strict=True):
+                if record is not None:
+                    seq.token_logprobs.append(record)
                 self._append(request, seq, token, now)
                 touched[request.request_id] = request
         for request in beam_rows.values():
@@ -229,13 +257,16 @@ class Scheduler:
         generator = None
         if seq.generator is not None:
             generator = make_generator(seq.generator.initial_seed() + k, seq.generator.device)
-        return Sequence(list(seq.tokens), seq.num_prompt_tokens, self.kv.fork(seq.table), generator, index=k)
+        return seq.fork(self.kv.fork(seq.table), k, generator)
 
     def _append(self, request: Request, seq: Sequence, token: int, now: float) -> None:
         seq.tokens.append(token)
+        if seq.detok is not None:
+            seq.detok.push(seq.tokens)
         self._stamp(request, now)
         params = request.params
-        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos):
+        stop_string = seq.detok is not None and seq.detok.stopped
+        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
             seq.finish_reason = "length"
@@ -243,7 +274,7 @@ class Scheduler:
             self.kv.cache_finished(seq.table, seq.tokens)
             seq.table = None
             request.seqs.remove(seq)
-            request.finished_seqs.append(seq)
+            request.finish_seq(seq, seq.finish_reason)
 
     def _beam_step(self, request: Request, now: float) -> None:
         search = self.beams[request.request_id]
@@ -264,9 +295,8 @@ class Scheduler:
         for c in continuations:
             p = 0 if len(parents) == 1 else c.parent
             if p in reused:  # a second continuation of one beam: share its blocks
-                beams.append(
-                    Sequence(before[p] + [c.token], len(request.prompt_ids), self.kv.fork(parents[p].table))
-                )
+                table = self.kv.fork(parents[p].table)
+                beams.append(Sequence(before[p] + [c.token], len(request.prompt_ids), table))
             else:
                 reused.add(p)
                 parents[p].tokens.append(c.token)
@@ -274,7 +304,12 @@ class Scheduler:
         request.seqs = beams
         if search.done:
             request.finished_seqs = [
-                Sequence(request.prompt_ids + tokens, len(request.prompt_ids), score=score)
+                Sequence(
+                    request.prompt_ids + tokens,
+                    len(request.prompt_ids),
+                    score=score,
+                    finish_reason="stop" if tokens and tokens[-1] in search.eos else "length",
+                )
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]

@@ -10,7 +10,7 @@ waiting, the prefix lookups per step would cost more than they save, and the ord
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from radixkv.scheduler.request import Request
 
@@ -26,6 +26,12 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests))
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._requests
 
     def add(self, request: Request) -> None:
         self._requests.append(request)

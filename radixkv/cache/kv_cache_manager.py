@@ -8,6 +8,10 @@ preempts. A block that more than one holder references is never written in place
 gets a fresh block and a pending copy (copy-on-write) that the model runner executes before the
 step's forward pass. Until then the copy keeps a reference on its source, so eviction or a
 release in the same scheduling step can never hand the source to someone else too early.
+
+Every live table is registered under its owner (a request id), so that a failed step can release
+everything a request holds, even tables a half-done update created, and `check_invariants` can
+tell a leaked table from a live one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class BlockTable:
     blocks: list[int]
     num_tokens: int = 0
     node: RadixNode | None = None
+    owner: object = None  # the request holding it
 
 
 class KVCacheManager:
@@ -37,25 +42,37 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
+        self._live: dict[object, set[BlockTable]] = {}  # owner -> its live tables
 
     @property
     def num_available(self) -> int:
-        """Blocks that can be had now: free ones plus those eviction would free."""
-        return self.pool.num_free + (self.cache.evictable_size if self.cache else 0)
+        """Blocks that allocation plus eviction can deliver now, exactly: the free ones, and the
+        evictable cached ones that nothing else references. A cached block of an unlocked node
+        can still be referenced beyond the locked path of a live table (a partly matched last
+        block, a fork's shared tail) or by a pending copy; evicting it frees nothing."""
+        if self.cache is None:
+            return self.pool.num_free
+        evictable = self.cache.evictable_block
+        pinned = {src for src, _ in self.pending_copies if evictable(src)}
+        for tables in self._live.values():
+            for t in tables:
+                locked = t.node.end // self.block_size if t.node is not None else 0
+                pinned.update(b for b in t.blocks[locked:] if evictable(b))
+        return self.pool.num_free + self.cache.evictable_size - len(pinned)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, tokens: list[int]) -> BlockTable:
+    def admit(self, tokens: list[int], owner: object = None) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
         last token, which is always computed so that its logits exist."""
         if self.cache is None or len(tokens) < 2:
-            return BlockTable([])
+            return self._register(BlockTable([], owner=owner))
         match = self.cache.match_prefix(tokens[:-1])
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
-        return BlockTable(list(match.blocks), match.num_tokens, match.node)
+        return self._register(BlockTable(list(match.blocks), match.num_tokens, match.node, owner))
 
     def reserve(self, plan: list[tuple[BlockTable, int]]) -> None:
         """For each `(table, n)`, slots for `n` more tokens at positions `[table.num_tokens, ...)`:
@@ -91,7 +108,7 @@ class KVCacheManager:
             self.pool.incref(b)
         if table.node is not None:
             self.cache.inc_lock(table.node)
-        return BlockTable(list(table.blocks), table.num_tokens, table.node)
+        return self._register(BlockTable(list(table.blocks), table.num_tokens, table.node, table.owner))
 
     def release(self, table: BlockTable) -> None:
         for b in table.blocks:
@@ -99,6 +116,25 @@ class KVCacheManager:
         if table.node is not None:
             self.cache.dec_lock(table.node)
         table.blocks, table.num_tokens, table.node = [], 0, None
+        owned = self._live.get(table.owner)
+        if owned is not None:
+            owned.discard(table)
+            if not owned:
+                del self._live[table.owner]
+
+    def release_owner(self, owner: object) -> None:
+        """Releases every live table of `owner`, uncached: what a failed step left behind."""
+        for table in list(self._live.get(owner, ())):
+            self.release(table)
+
+    def drop_copies(self) -> None:
+        """Forgets the pending copies (a failed step), dropping their source references."""
+        for src, _ in self.pending_copies:
+            self.pool.decref(src)
+        self.pending_copies.clear()
+
+    def num_live_tables(self) -> int:
+        return sum(len(tables) for tables in self._live.values())
 
     def cache_finished(self, table: BlockTable, tokens: list[int]) -> None:
         """Caches the sequence's computed tokens (a finished or preempted sequence), then
@@ -176,6 +212,8 @@ class KVCacheManager:
         """Every block is free or referenced, never both; each refcount equals the references
         held by the cache, the live tables and the pending copies; locks equal the tables'."""
         tables = list(tables)
+        live = {id(t) for owned in self._live.values() for t in owned}
+        assert live == {id(t) for t in tables}, "a live table is held by no sequence (leaked) or unregistered"
         refs: Counter[int] = Counter(src for src, _ in self.pending_copies)
         locks: Counter[int] = Counter()
         for t in tables:
@@ -197,6 +235,10 @@ class KVCacheManager:
             count = self.pool.refcount(b)
             assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
         assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+
+    def _register(self, table: BlockTable) -> BlockTable:
+        self._live.setdefault(table.owner, set()).add(table)
+        return table
 
     def _ensure_free(self, n: int) -> None:
         if n > self.pool.num_free and self.cache is not None:

@@ -113,6 +113,7 @@ class RadixCache:
         self.evictable_size = 0  # blocks of unlocked nodes
         self.protected_size = 0  # blocks of locked nodes
         self.num_evicted = 0
+        self._node_of: dict[int, RadixNode] = {}  # cached block -> the node holding it
 
     # ----------------------------------------------------------------- lookups
 
@@ -211,6 +212,7 @@ class RadixCache:
             keep = len(leaf.blocks) - take
             for block in leaf.blocks[keep:]:
                 freed += self.pool.decref(block)
+                del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
             if keep:
@@ -222,6 +224,11 @@ class RadixCache:
         return freed
 
     # ----------------------------------------------------------- inspection
+
+    def evictable_block(self, block: int) -> bool:
+        """Whether `block` is cached in an unlocked node (eviction may take it)."""
+        node = self._node_of.get(block)
+        return node is not None and node.lock_ref == 0
 
     @property
     def num_cached_blocks(self) -> int:
@@ -262,6 +269,7 @@ class RadixCache:
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node} lock"
             for b in node.blocks:
                 assert b not in seen, f"block {b} is held by two nodes"
+                assert self._node_of.get(b) is node, f"block {b} is not mapped to {node}"
                 assert self.pool.refcount(b) >= 1, f"cached block {b} is free"
                 seen.add(b)
             if node.lock_ref:
@@ -270,6 +278,7 @@ class RadixCache:
                 evictable += len(node.blocks)
                 if not node.children:
                     leaves.add(node.id)
+        assert len(self._node_of) == len(seen), "the block map holds blocks no node has"
         for node in self.nodes():
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), f"{node} index"
         assert (evictable, protected) == (self.evictable_size, self.protected_size), (
@@ -367,6 +376,7 @@ class RadixCache:
         self._link(parent, node, key)
         for b in blocks:
             self.pool.incref(b)
+            self._node_of[b] = node
         self.evictable_size += len(blocks)
         self._leaves.add(node)
 
@@ -382,9 +392,12 @@ class RadixCache:
         if blocks[0] != leaf.blocks[-1]:
             self.pool.incref(blocks[0])
             self.pool.decref(leaf.blocks[-1])
+            del self._node_of[leaf.blocks[-1]]
             leaf.blocks[-1] = blocks[0]
+            self._node_of[blocks[0]] = leaf
         for b in blocks[1:]:
             self.pool.incref(b)
+            self._node_of[b] = leaf
         leaf.blocks.extend(blocks[1:])
         leaf.tokens.extend(tokens)
         self.evictable_size += len(blocks) - 1
@@ -400,6 +413,8 @@ class RadixCache:
             next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb], node.last_access
         )
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
+        for b in mid.blocks:
+            self._node_of[b] = mid
         parent.children[block_key(mid.tokens[:B])] = mid
         siblings = parent.by_first[mid.tokens[0]]
         siblings[siblings.index(node)] = mid

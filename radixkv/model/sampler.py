@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import SamplingParams
 
 
@@ -24,6 +25,26 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities in float32 over the last dim, unscaled and unfiltered (as beam search scores)."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Row i's chosen token `tokens[i]` with its log-probability and the `top[i]` most likely
+    tokens with theirs (None where `top[i]` is None), from the unscaled distribution."""
+    rows = [i for i, k in enumerate(top) if k is not None]
+    out: list[TokenLogprob | None] = [None] * len(top)
+    if not rows:
+        return out
+    logprobs = compute_logprobs(logits[rows])
+    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))[:, 0].tolist()
+    best_values, best_ids = logprobs.topk(max(top[i] for i in rows), dim=-1)
+    best_values, best_ids = best_values.tolist(), best_ids.tolist()
+    for j, i in enumerate(rows):
+        k = top[i]
+        pairs = list(zip(best_ids[j][:k], best_values[j][:k], strict=True))
+        out[i] = TokenLogprob(int(tokens[i]), chosen[j], pairs)
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,220 @@
+"""The asyncio engine: one background thread steps the shared `EngineCore`; coroutines submit.
+
+Threading model. The loop thread sleeps on an event while there is no work (no CPU used when
+idle) and wakes when a request or an abort is queued. It steps while there is work; requests
+submitted meanwhile join the next step, and a submitter never waits for the step in flight
+(validation runs in the caller, the core's inbox is lock-free for it). Each request has a
+handle: the loop thread turns a step's progress into stream deltas or the final result and hands
+them to the request's asyncio loop with `call_soon_threadsafe`; nothing else crosses threads.
+
+Every exit path of a caller ends its request: a cancelled `generate`/`beam_search` task and a
+`stream` that is closed early, garbage-collected or broken out of abort it (`abort` only queues;
+the loop frees the blocks before its next step). A step that fails raises `RequestError` in the
+callers of that step's requests only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.chat_session import AsyncChatSession
+from radixkv.config import EngineConfig
+from radixkv.engine_core import EngineCore, Prompt
+from radixkv.errors import RequestError
+from radixkv.outputs import Beam, RequestOutput, StreamDelta
+from radixkv.sampling_params import BeamSearchParams, SamplingParams
+from radixkv.scheduler.request import Request, Sequence, Status
+
+_IDLE_STEPS_BEFORE_STALL = 3  # steps in a row that run nothing while requests wait
+
+
+@dataclass(eq=False)
+class _Handle:
+    """A caller's side of one request: where the loop thread posts its progress."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None  # the streamed sequence (stream only)
+    sent: int = 0  # tokens already posted (stream only)
+    done: bool = False  # the final item was posted
+
+
+class _End:
+    """Posted after a stream's last delta."""
+
+
+class AsyncEngine:
+    """`AsyncEngine(config)`. `tokenizer`, `max_model_len`, `config`, `eos_token_ids` and
+    `vocab_size` are the model's as served; `core` is the shared `EngineCore`."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.core = EngineCore(config)
+        self.config = self.core.config
+        self.tokenizer = self.core.tokenizer
+        self.max_model_len = self.core.max_model_len
+        self.eos_token_ids = self.core.eos_token_ids
+        self.vocab_size = self.core.vocab_size
+        self._handles: dict[str, _Handle] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self.core.on_submit = self._wake.set
+        self.core.on_update = self._dispatch
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def loop_thread(self) -> threading.Thread:
+        return self._thread
+
+    # ----------------------------------------------------------------- the API
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestOutput:
+        """Runs one prompt to completion. Cancelling the awaiting task aborts the request."""
+        request = self.core.make_request(prompt, params, request_id, call="generate")
+        return await self._result(self._open(request))
+
+    async def beam_search(
+        self, prompt: Prompt, params: BeamSearchParams | None = None, *, request_id: str | None = None
+    ) -> list[Beam]:
+        """The `beam_width` best hypotheses, best first; cancelling the task aborts the search."""
+        request = self.core.make_request(prompt, params, request_id, call="beam_search")
+        return await self._result(self._open(request))
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """An async iterator of the tokens as they are made (n == 1). Bad input raises here, at
+        the call; the request is submitted when iteration starts, and ends (aborted if still
+        going) when the iterator is closed, garbage-collected or left by an exception."""
+        request = self.core.make_request(prompt, params, request_id, call="stream")
+        if request.params.n != 1:
+            raise ValueError(f"stream takes n == 1, got n={request.params.n}")
+        return self._stream(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request (finish_reason "abort"); its blocks are freed before the next step."""
+        self.core.abort(request_id, wait=False)
+
+    def chat(self, system: str | list[int] | None = None) -> AsyncChatSession:
+        return AsyncChatSession(self, system)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.core.decode(ids)
+
+    def metrics(self) -> dict:
+        return self.core.metrics()
+
+    def metrics_text(self) -> str:
+        return self.core.metrics_text()
+
+    def check_invariants(self) -> None:
+        """As `Engine.check_invariants`; blocks the caller for at most the step in flight."""
+        self.core.check_invariants()
+
+    async def shutdown(self) -> None:
+        """Aborts every request still going, stops the loop thread and waits for it."""
+        for request_id in list(self._handles):
+            self.core.abort(request_id, wait=False)
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+
+    # ----------------------------------------------------------- caller side
+
+    def _open(self, request: Request, stream: bool = False) -> _Handle:
+        if self._stopping or self._fatal is not None:
+            raise RuntimeError("the engine is shut down") from self._fatal
+        handle = _Handle(request, asyncio.get_running_loop())
+        if stream:
+            handle.seq = request.seqs[0]
+        self._handles[request.request_id] = handle
+        try:
+            self.core.submit([request])
+        except BaseException:
+            del self._handles[request.request_id]
+            raise
+        return handle
+
+    def _close(self, handle: _Handle) -> None:
+        self._handles.pop(handle.request.request_id, None)
+        if not handle.done:
+            self.core.abort(handle.request.request_id, wait=False)
+
+    async def _result(self, handle: _Handle) -> Any:
+        try:
+            item = await handle.queue.get()
+        finally:
+            self._close(handle)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def _stream(self, request: Request) -> AsyncIterator[StreamDelta]:
+        handle = self._open(request, stream=True)
+        try:
+            while True:
+                item = await handle.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is _End:
+                    return
+                for delta in item:
+                    yield delta
+        finally:
+            self._close(handle)
+
+    # ------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        core, idle = self.core, 0
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()  # before looking for work: a submission after this wakes us
+                while core.has_work():
+                    before = core.num_steps
+                    core.step()
+                    idle = idle + 1 if core.num_steps == before and core.scheduler.has_work() else 0
+                    if idle >= _IDLE_STEPS_BEFORE_STALL:
+                        core.fail_waiting(RuntimeError("the engine cannot schedule these requests"))
+                        idle = 0
+                if self._stopping:
+                    return
+        except BaseException as exc:  # a bug outside a step's containment: fail every caller
+            self._fatal = exc
+            for handle in list(self._handles.values()):
+                self._post(handle, RequestError(handle.request.request_id, exc))
+
+    def _dispatch(self, requests: list[Request]) -> None:
+        """In the loop thread, under the step lock: posts each request's news to its caller."""
+        for request in requests:
+            handle = self._handles.get(request.request_id)
+            finished = request.status is Status.FINISHED
+            if handle is not None and handle.seq is not None and request.error is None:
+                deltas = self.core.stream_deltas(handle.seq, handle.sent, finished)
+                handle.sent += len(deltas)
+                if deltas:
+                    self._post(handle, deltas)
+            if not finished:
+                continue
+            try:
+                result: Any = self.core.result(request.request_id)
+            except RequestError as exc:
+                result = exc
+            if handle is not None:
+                handle.done = True
+                self._post(handle, _End if handle.seq is not None and request.error is None else result)
+
+    def _post(self, handle: _Handle, item: Any) -> None:
+        try:
+            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+            self.core.abort(handle.request.request_id, wait=False)

@@ -1,0 +1,77 @@
+"""Text of a growing token sequence, piece by piece, and the stop strings found in it.
+
+Decoding the whole output again for every new token costs O(length) per token. Instead, as in
+vLLM, only a short window is decoded: the tokens since the last emitted piece (`read`) and a few
+before it (`prefix`) for context, since tokenizers drop or merge spaces at a sequence's start.
+The new piece is the window's text past the context's text. A window whose text ends in U+FFFD is
+a multi-byte character whose last bytes have not come yet: nothing is emitted until they do, so a
+piece never splits a character. The window shrinks back to one token after each piece, which
+makes the cost O(1) amortized per token.
+
+Stop strings: text that might be the start of a stop string (its last `max(len(stop)) - 1`
+characters) is held back until the next tokens settle it, so a stop string split across tokens
+is found and never emitted. Once one is found, the text ends just before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), start: int = 0) -> None:
+        """`decode(ids)` is the tokenizer's; the text is that of the tokens from `start` on (the
+        generated ones, after a prompt of `start` tokens)."""
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._start = start
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._prefix = start  # window start: context tokens already emitted
+        self._read = start  # tokens whose text is emitted or pending
+        self._pending = ""  # decoded text not yet released (a possible stop string's start)
+        self.pieces: list[str] = []  # released text, one entry per token pushed
+        self.stopped = False  # a stop string was found; the text ends before it
+
+    def fork(self) -> IncrementalDetokenizer:
+        """A fresh detokenizer with the same decoding and stop strings (a parallel sample)."""
+        return IncrementalDetokenizer(self._decode, self._stop, self._start)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def push(self, ids: list[int]) -> None:
+        """`ids` are all tokens so far, the newest last (one more than at the previous push).
+        Appends the text released by the newest token to `pieces` ("" while held back)."""
+        piece = ""
+        if not self.stopped:
+            context = self._decode(ids[self._prefix : self._read])
+            window = self._decode(ids[self._prefix :])
+            if len(window) > len(context) and not window.endswith(REPLACEMENT_CHAR):
+                self._pending += window[len(context) :]
+                self._prefix, self._read = self._read, len(ids)
+                piece = self._release()
+        self.pieces.append(piece)
+
+    def finish(self, ids: list[int]) -> None:
+        """The sequence ended: releases what was held back (an incomplete character's U+FFFD
+        included, as a full decode would show it) onto the last token's piece."""
+        if self.stopped or not self.pieces:
+            return
+        context = self._decode(ids[self._prefix : self._read])
+        rest = self._pending + self._decode(ids[self._prefix :])[len(context) :]
+        self._pending = ""
+        self.pieces[-1] += rest
+
+    def _release(self) -> str:
+        pending = self._pending
+        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._pending = ""
+            return pending[:cut]
+        keep = min(self._hold, len(pending))
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]

@@ -1,0 +1,448 @@
+"""The one engine core under `Engine` (blocking calls) and `AsyncEngine` (asyncio).
+
+One step reads top to bottom: queued submissions and aborts are applied, the scheduler picks the
+batch (admitting, growing, preempting), the pending block copies run, the model runs one forward
+pass over the paged KV cache, and the scheduler turns the logits into tokens, finishing and
+caching what is done.
+
+Threads. Submission (`submit`, `add_request`) never takes the step lock: a request is validated
+in the caller's thread and put on an inbox that the next step drains, so a caller never waits
+for the forward in flight. Everything else that touches requests, tables or the cache runs under
+the step lock, in whichever thread steps. `abort(wait=False)` only queues the abort; the default
+waits for the step in flight (if any) and then frees the request's blocks before returning.
+
+Failures. An exception anywhere in a step fails the requests of that step's batch and no other:
+their tables are released uncached (their reserved slots were never computed, or not known to
+be), pending copies are dropped, and each gets a `RequestError` chained to the cause. The engine
+stays usable and `check_invariants()` holds. A `BaseException` (KeyboardInterrupt) is contained
+the same way and then re-raised.
+
+A request ends in exactly one place, with status FINISHED: done ("stop"/"length"), aborted
+("abort") or failed (`Request.error`). `on_update` hears of every request a step advanced or
+ended, in the stepping thread, under the step lock.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget
+from radixkv.cache.eviction import make_policy
+from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.config import EngineConfig
+from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.errors import RequestError
+from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
+from radixkv.model.sampler import make_generator
+from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
+from radixkv.sampling_params import BeamSearchParams, SamplingParams
+from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
+
+Prompt = str | list[int]
+Params = SamplingParams | BeamSearchParams
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        torch.manual_seed(config.seed)  # unseeded sampling is reproducible run to run
+        self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+        self.tokenizer = self.model.tokenizer
+        self.eos_token_ids: list[int] = list(self.model.eos_token_ids)
+        self.vocab_size: int = self.model.vocab_size
+        self.max_model_len = self.model.max_model_len
+        if config.max_model_len is not None:
+            if config.max_model_len > self.max_model_len:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} exceeds the model's {self.max_model_len}"
+                )
+            self.max_model_len = config.max_model_len
+        m = self.model
+        per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        budget = config.kv_cache_memory or default_kv_cache_memory(m.device)
+        self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
+        cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
+        self.kv = KVCacheManager(self.pool, cache)
+        self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv,
+            eos_token_ids=m.eos_token_ids,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling,
+        )
+        self._requests: dict[str, Request] = {}  # submitted and not yet handed back
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._ids = itertools.count()
+        self._lock = threading.RLock()  # the step lock
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.step_hooks: list[Callable[[Any], None]] = []  # called after every step, failed ones too
+        self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
+        self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
+        self.num_steps = 0  # steps that ran a batch
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
+        """An engine for a local Hugging Face folder; keyword arguments are `EngineConfig` fields."""
+        return cls(EngineConfig(model=str(path), **kwargs))
+
+    # ------------------------------------------------------------- submission
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: Params | None,
+        request_id: str | None = None,
+        *,
+        call: str = "add_request",
+    ) -> Request:
+        """A validated request, not yet queued. `call` names the API: `generate` and `stream`
+        take SamplingParams only, `beam_search` BeamSearchParams only (TypeError otherwise).
+        Bad input raises ValueError naming the field, before any work."""
+        expected: tuple[type, ...] = {
+            "generate": (SamplingParams,),
+            "stream": (SamplingParams,),
+            "beam_search": (BeamSearchParams,),
+        }.get(call, (SamplingParams, BeamSearchParams))
+        if params is None:
+            params = expected[0]()
+        if isinstance(params, SamplingParams | BeamSearchParams) and not isinstance(params, expected):
+            raise TypeError(f"{call} takes {expected[0].__name__}, got {type(params).__name__}")
+        if not isinstance(params, expected):
+            raise ValueError(f"params must be {' or '.join(t.__name__ for t in expected)}, got {params!r}")
+        params.validate()
+        params = copy.deepcopy(params)  # later changes by the caller do not reach the running request
+        ids = self._prompt_ids(prompt)
+        self._check_params(params)
+        self._check_fits(ids, params)
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self._requests:
+                request_id = str(next(self._ids))
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(list(ids), len(ids))
+        if isinstance(params, SamplingParams):
+            if params.seed is not None:
+                seq.generator = make_generator(params.seed, self.runner.device)
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.decode, params.stop, start=len(ids))
+            if params.logprobs is not None:
+                seq.token_logprobs = []
+        return Request(request_id, list(ids), params, [seq])
+
+    def submit(self, requests: list[Request]) -> list[str]:
+        """Queues requests for the next step; returns their ids. Never waits for a step."""
+        for request in requests:
+            if request.request_id in self._requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._requests[request.request_id] = request
+            self._inbox.append(request)
+        if self.on_submit is not None:
+            self.on_submit()
+        return [r.request_id for r in requests]
+
+    def add_request(
+        self, prompt: Prompt, params: Params | None = None, *, request_id: str | None = None
+    ) -> str:
+        """Validates and queues a request; returns its id."""
+        return self.submit([self.make_request(prompt, params, request_id)])[0]
+
+    def abort(self, request_id: str, *, wait: bool = True) -> None:
+        """Ends a request wherever it is (queued, prefilling, decoding, a beam group, the forks of
+        n > 1): its computed KV is cached, its tables and locks released, its unfinished
+        samples end with finish_reason "abort". With `wait` (the default) that is done when this
+        returns; without, the next step does it. Unknown or finished requests are ignored."""
+        self._aborts.append(request_id)
+        if wait:
+            with self._lock:
+                self._notify(self._drain())
+        elif self.on_submit is not None:
+            self.on_submit()
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[Request]:
+        """Runs one engine step; returns the requests that made progress (new tokens or done).
+        Requests the step failed are not among them: their callers get a RequestError."""
+        with self._lock:
+            ended = self._drain()
+            batch: list[ScheduledSeq] = []
+            touched: list[Request] = []
+            try:
+                batch = self.scheduler.schedule()
+                if batch:
+                    self.num_steps += 1
+                    self.kv.run_copies(self.runner.copy_blocks)
+                    logits = self.runner.forward([self._chunk(item) for item in batch])
+                    touched = self.scheduler.postprocess(batch, logits)
+            except Exception as exc:  # contained: the batch's requests get it
+                ended += self._fail(self._step_requests(batch), exc)
+            except BaseException as exc:
+                self._notify(ended + self._fail(self._step_requests(batch), exc))
+                raise
+            self._observe(touched)
+            for hook in self.step_hooks:
+                hook(self)
+            self._notify(ended + touched)
+            return touched
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests queued, waiting or running, or aborts."""
+        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_work()
+
+    def fail_waiting(self, cause: BaseException) -> None:
+        """Fails every waiting request (the engine cannot schedule them)."""
+        with self._lock:
+            self._notify(self._fail(list(self.scheduler.waiting), cause))
+
+    # ----------------------------------------------------------------- results
+
+    def is_finished(self, request_id: str) -> bool:
+        return self._requests[request_id].status is Status.FINISHED
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The output of a finished sampling request (and forgets the request). Raises the
+        request's RequestError if a step failed it."""
+        request = self._take(request_id)
+        seqs = sorted(request.finished_seqs, key=lambda s: s.index)
+        samples = [
+            Sample(s.output_ids, s.detok.text if s.detok else "", s.finish_reason, s.token_logprobs)
+            for s in seqs
+        ]
+        first = request.first_token_time or request.finish_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_ids,
+            samples=samples,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            ttft_s=first - request.arrival_time,
+            e2e_s=request.finish_time - request.arrival_time,
+        )
+
+    def beam_output(self, request_id: str) -> list[Beam]:
+        """The beams of a finished beam-search request, best first (and forgets the request).
+        An aborted search returns no beams."""
+        request = self._take(request_id)
+        return [
+            Beam(s.output_ids, self.decode(s.output_ids), s.score, s.finish_reason)
+            for s in request.finished_seqs
+        ]
+
+    def result(self, request_id: str) -> RequestOutput | list[Beam]:
+        """`output` or `beam_output`, as the request is."""
+        request = self._requests[request_id]
+        return self.beam_output(request_id) if request.is_beam_search else self.output(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request's record, aborting it first if it is still going."""
+        request = self._requests.get(request_id)
+        if request is not None and request.status is not Status.FINISHED:
+            self.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def stream_deltas(self, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
+        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the last carries the
+        finish reason when `finished`. Call under the step lock, or from the stepping thread."""
+        out = seq.output_ids
+        pieces = seq.detok.pieces if seq.detok is not None else None
+        deltas = []
+        for i in range(start, len(out)):
+            record = [seq.token_logprobs[i]] if seq.token_logprobs is not None else None
+            reason = seq.finish_reason if finished and i == len(out) - 1 else None
+            deltas.append(StreamDelta(out[i], pieces[i] if pieces is not None else "", reason, record))
+        return deltas
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of generated ids, special tokens left out ("" for a model without a tokenizer)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    # ---------------------------------------------------------------- metrics
+
+    def metrics(self) -> dict:
+        cache = self.kv.cache
+        return {
+            "kv_cache_usage": 1.0 - self.pool.num_free / self.pool.num_blocks,
+            "num_blocks": self.pool.num_blocks,
+            "num_free_blocks": self.pool.num_free,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_evicted_blocks": cache.num_evicted if cache else 0,
+            "num_cow_copies": self.kv.num_cow_copies,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "time_to_first_token_seconds": self.ttft.as_dict(),
+            "inter_token_latency_seconds": self.itl.as_dict(),
+            "e2e_request_latency_seconds": self.e2e.as_dict(),
+        }
+
+    def metrics_text(self) -> str:
+        """The metrics in Prometheus' text exposition format."""
+        return prometheus_text(self.metrics())
+
+    def check_invariants(self) -> None:
+        """Every block, reference and lock accounted for, and every live table held by a running
+        sequence (see `KVCacheManager.check_invariants`). Waits for the step in flight."""
+        with self._lock:
+            self.kv.check_invariants(self.live_tables())
+
+    def live_tables(self) -> list[BlockTable]:
+        """The block tables of the running sequences."""
+        return [s.table for r in self.scheduler.running for s in r.seqs if s.table is not None]
+
+    # ---------------------------------------------------------------- internals
+
+    def _drain(self) -> list[Request]:
+        """Applies queued submissions, then queued aborts; returns the requests aborted."""
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        ended = []
+        while self._aborts:
+            request = self._requests.get(self._aborts.popleft())
+            if request is None or request.status is Status.FINISHED:
+                continue
+            for seq in request.seqs:  # between steps every counted token is computed
+                if seq.table is not None:
+                    self.kv.cache_finished(seq.table, seq.tokens)
+            self.scheduler.remove(request)
+            if not request.is_beam_search:
+                for seq in request.seqs:
+                    request.finish_seq(seq, "abort")
+            self._end(request)
+            ended.append(request)
+        return ended
+
+    def _step_requests(self, batch: list[ScheduledSeq]) -> list[Request]:
+        """The requests a failed step touched: its batch's, or, when scheduling itself failed,
+        every request that holds blocks."""
+        if batch:
+            return list({id(item.request): item.request for item in batch}.values())
+        holding = [r for r in self.scheduler.waiting if any(s.table is not None for s in r.seqs)]
+        return list(self.scheduler.running) + holding
+
+    def _fail(self, requests: list[Request], cause: BaseException) -> list[Request]:
+        """Ends `requests` with a RequestError chained to `cause`, releasing all they hold
+        uncached. Requests the step already finished cleanly keep their results."""
+        self.kv.drop_copies()
+        for request in requests:
+            if request.status is Status.FINISHED:
+                continue
+            self.scheduler.remove(request)
+            request.error = RequestError(request.request_id, cause)
+            self._end(request)
+        return requests
+
+    def _end(self, request: Request) -> None:
+        request.seqs = []
+        request.status = Status.FINISHED
+        request.finish_time = time.perf_counter()
+
+    def _notify(self, requests: list[Request]) -> None:
+        if self.on_update is not None and requests:
+            self.on_update(requests)
+
+    def _take(self, request_id: str) -> Request:
+        request = self._requests.pop(request_id)
+        if request.error is not None:
+            raise request.error
+        return request
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text, but this model has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list):
+            ids = prompt
+        else:
+            raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        bad = next(
+            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
+        )
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+            )
+        return ids
+
+    def _check_params(self, params: Params) -> None:
+        """What the params alone cannot check: token ids against the vocabulary, stop strings
+        against the tokenizer."""
+        if isinstance(params, BeamSearchParams):
+            return
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
+
+    def _check_fits(self, ids: list[int], params: Params) -> None:
+        """A request that could not fit in the pool even alone would wait forever: refuse it."""
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+        if width > self.config.max_num_seqs:
+            field = "beam_width" if isinstance(params, BeamSearchParams) else "n"
+            raise ValueError(f"{field} {width} exceeds max_num_seqs {self.config.max_num_seqs}")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        prompt_blocks = self.kv.blocks_for(len(ids))
+        need = prompt_blocks + width * (self.kv.blocks_for(total) - prompt_blocks + 1)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks (prompt {len(ids)} tokens, max_tokens "
+                f"{params.max_tokens}, {width} sequences) but the pool has {self.pool.num_blocks}; "
+                "raise kv_cache_memory or shorten the request"
+            )
+
+    def _chunk(self, item: ScheduledSeq) -> SequenceChunk:
+        seq = item.seq
+        return SequenceChunk(
+            token_ids=seq.tokens[item.start : item.start + item.num_tokens],
+            start_pos=item.start,
+            block_table=seq.table.blocks,
+            logits="last" if item.needs_logits else "none",
+        )
+
+    def _observe(self, touched: list[Request]) -> None:
+        for request in touched:
+            if request.status is Status.FINISHED and request.first_token_time is not None:
+                self.ttft.observe(request.first_token_time - request.arrival_time)
+                self.e2e.observe(request.finish_time - request.arrival_time)
+                for gap in request.inter_token_s:
+                    self.itl.observe(gap)
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """Bytes for the KV cache when none are given: 80% of the GPU's free memory once the model
+    is loaded (the rest for activations), or on a CPU a fifth of the available RAM, at most 1 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available // 5, 1 << 30)

@@ -1,0 +1,14 @@
+"""The error a request's caller gets when an engine step fails under it."""
+
+from __future__ import annotations
+
+
+class RequestError(RuntimeError):
+    """The request failed inside an engine step (a forward pass, a block copy, the sampler or a
+    beam update raised). The engine contained the failure: only that step's requests fail, their
+    KV is released uncached, and the engine keeps serving. `__cause__` is the original exception."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id} failed in an engine step: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.__cause__ = cause

@@ -1,0 +1,76 @@
+"""Incremental detokenization against the tokenizer's own full decode, and stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.model.tokenizer import build_byte_tokenizer
+
+TOKENIZER = build_byte_tokenizer()
+
+
+def decode(ids: list[int]) -> str:
+    return TOKENIZER.decode(ids, skip_special_tokens=True)
+
+
+def run(text_ids: list[int], stop: tuple[str, ...] = (), prompt: list[int] = ()) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(decode, stop, start=len(prompt))
+    tokens = list(prompt)
+    for t in text_ids:
+        tokens.append(t)
+        detok.push(tokens)
+        if detok.stopped:
+            break
+    detok.finish(tokens)
+    return detok
+
+
+def test_pieces_join_to_the_full_decode_and_never_split_a_character():
+    rng = random.Random(0)
+    alphabet = "aé€🙂 \n你"
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 30)))
+        ids = TOKENIZER.encode(text) + ([258] if rng.random() < 0.5 else [])  # EOS, a special token
+        detok = run(ids, prompt=TOKENIZER.encode("ö prompt"))
+        assert detok.text == decode(ids) == text
+        assert len(detok.pieces) == len(ids)
+        assert all("\ufffd" not in p for p in detok.pieces)
+        for p in detok.pieces:
+            p.encode("utf-8")  # a lone surrogate or a split character would not encode
+
+
+def test_a_truncated_character_shows_as_the_full_decode_does():
+    ids = TOKENIZER.encode("ab🙂")[:-2]
+    assert run(ids).text == decode(ids) == "ab\ufffd"
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("hello world, goodbye", ("world",), "hello "),
+        ("hello world", ("o w", "ld"), "hell"),  # the earliest stop string wins
+        ("price: 5€ total", ("€ t",), "price: 5"),  # the stop string spans a multi-byte character
+        ("no stop here", ("xyz",), "no stop here"),
+        ("abcabd", ("abd",), "abc"),
+    ],
+)
+def test_stop_strings_split_across_tokens_are_found_and_cut(text, stop, expected):
+    detok = run(TOKENIZER.encode(text), stop)
+    assert detok.text == expected
+    assert detok.stopped == (expected != text)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_settled():
+    detok = IncrementalDetokenizer(decode, ("STOP",))
+    tokens: list[int] = []
+    released = []
+    for t in TOKENIZER.encode("aSTObSTOP"):
+        tokens.append(t)
+        detok.push(tokens)
+        released.append(detok.text)
+    assert detok.stopped and detok.text == "aSTOb"
+    # The last len("STOP") - 1 characters wait until the next tokens settle them.
+    assert released[:5] == ["", "", "", "a", "aS"]
