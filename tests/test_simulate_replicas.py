@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 
 from radixkv.cli import main
+from radixkv.router import RouterConfig
 from radixkv.tools.simulate import CacheRequest
 from radixkv.tools.simulate_replicas import IN_FLIGHT_PER_REPLICA, simulate_replicas
 from radixkv.workloads.traces import HashIdTokens
 
-MOONCAKE = Path(__file__).parents[1].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+# The shared traces sit beside the repository, or beside the folder of its worktrees.
+TRACE = "shared/traces/mooncake_synthetic_trace.jsonl"
+MOONCAKE = next((p for up in Path(__file__).parents[2:4] if (p := up / TRACE).exists()), Path(TRACE))
 
 
 class NaiveLRU:
@@ -41,9 +44,11 @@ class NaiveLRU:
         return k * self.hash_block - (k == len(ids))
 
 
-def naive_replicas(trace, replicas, router, capacity, hash_block, share=0.1, gap=16, ratio=1.5):
+def naive_replicas(trace, replicas, router, capacity, hash_block):
     """(hit tokens, requests per replica): the routing rules as the README states them, over
     naive LRU caches for the replicas and naive LRU estimates for the router."""
+    config = RouterConfig()
+    share, gap, ratio = config.min_match_share, config.balance_abs, config.balance_rel
     caches = [NaiveLRU(capacity, hash_block) for _ in range(replicas)]
     estimates = [NaiveLRU(capacity, hash_block) for _ in range(replicas)]
     load, counts, in_flight, hits = [0] * replicas, [0] * replicas, deque(), 0
