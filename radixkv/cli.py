@@ -25,6 +25,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_kernels.run(args)
 
 
+def _bench_replicas(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_replicas
+
+    return bench_replicas.run(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         from radixkv.cluster import launch as cluster_launch
@@ -65,7 +71,7 @@ def _workload(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.cluster import launch as cluster_launch
     from radixkv.server import launch
-    from radixkv.tools import replay, simulate
+    from radixkv.tools import bench_replicas, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -99,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--json", action="store_true", help="print only a JSON object")
     kernels.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per case and side")
     bench.set_defaults(func=_bench)
+    replicas = suites.add_parser("replicas", help="one engine against N replicas by router")
+    bench_replicas.add_arguments(replicas)
+    replicas.set_defaults(func=_bench_replicas)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -36,7 +36,13 @@ PROBE_TIMEOUT_S = 2.0
 REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-@serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=10)
+# The ingress probes each replica twice a second: those calls stay out of the access log.
+@serve.deployment(
+    max_ongoing_requests=1024,
+    health_check_period_s=2,
+    health_check_timeout_s=10,
+    logging_config={"enable_access_log": False},
+)
 class EngineReplica:
     def __init__(self, config: EngineConfig, model_name: str, api_key: str | None, max_waiting: int | None):
         from radixkv import AsyncEngine
@@ -88,11 +94,16 @@ class RouterIngress:
         self.tokenizer = load_tokenizer(model)
         self.service: RouterService | None = None
         self._started = asyncio.Lock()
+        self._probing: asyncio.Task | None = None
 
     async def __call__(self, request: Request) -> Response:
         return await (await self._service()).handle(request)
 
     async def _service(self) -> RouterService:
+        """The router service, built at the first request once every replica answers: its
+        indexes are sized like the replicas' caches (all replicas share one engine config)."""
+        if self.service is not None:
+            return self.service
         async with self._started:
             if self.service is None:
                 infos = await asyncio.gather(*(h.probe.remote() for h in (r.handle for r in self.replicas)))

@@ -20,6 +20,7 @@ stream already under way cannot be taken back; it ends with an error event in Op
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -88,18 +89,19 @@ class RouterService:
             return e.response()
 
     async def probe_all(self) -> None:
-        """Asks every replica whether it is up; marks it alive or dead, and treats a new
+        """Asks every replica at once whether it is up; marks it alive or dead, and treats a new
         incarnation (a restart) as an empty cache."""
-        for i, replica in enumerate(self.replicas):
-            try:
-                info = await replica.probe()
-            except ReplicaFailed:
+        answers = await asyncio.gather(*(r.probe() for r in self.replicas), return_exceptions=True)
+        for i, info in enumerate(answers):
+            if isinstance(info, ReplicaFailed):
                 self._failed(i)
-                continue
-            if self.incarnations[i] not in (None, info.incarnation):
-                self.router.set_alive(i, False)  # restarted: forget what it held
-            self.incarnations[i] = info.incarnation
-            self.router.set_alive(i, True)
+            elif isinstance(info, BaseException):
+                raise info
+            else:
+                if self.incarnations[i] not in (None, info.incarnation):
+                    self.router.set_alive(i, False)  # restarted: forget what it held
+                self.incarnations[i] = info.incarnation
+                self.router.set_alive(i, True)
 
     # ------------------------------------------------------------ internals
 
