@@ -1,9 +1,10 @@
 """`radixkv serve --replicas N`: N engine replicas on Ray Serve behind the cache-aware router.
 
 Without `--ray-address` a local Ray instance is started (and stopped on exit); with one, the
-replicas join that cluster. Each replica asks for one GPU when the cluster has a GPU for every
-replica, else one CPU. The HTTP API is the single-engine server's, on `--host:--port`, served
-by Ray Serve's proxy. SIGTERM or Ctrl-C shuts the application down.
+replicas join that cluster. Each replica asks for one GPU when the cluster has one for every
+replica, else an equal share of the GPUs there are (replicas then share a device), else none.
+The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy.
+SIGTERM or Ctrl-C shuts the application down.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.ray_address)
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False)
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= args.replicas else 0
+    gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_application(
         config,
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    serve.shutdown()
+    if args.ray_address:
+        serve.delete("radixkv")  # the cluster and its Serve instance are not ours to stop
+    else:
+        serve.shutdown()
     ray.shutdown()
     return 0
