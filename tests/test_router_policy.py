@@ -111,7 +111,7 @@ def test_prefix_index_matches_a_naive_lru_of_routed_sequences():
             assert index.match(probe) == k * B, f"step {clock}: {probe}"
 
 
-def test_router_counts_load_and_clears_a_dead_replicas_index():
+def test_router_counts_load_skips_a_dead_replica_and_forgets_a_restarted_one():
     router = Router("cache-aware", 2, capacity_blocks=64, block_size=4)
     prompt = list(range(40))
     first = router.choose(prompt)
@@ -120,10 +120,11 @@ def test_router_counts_load_and_clears_a_dead_replicas_index():
     assert (again.replica, again.reason, again.matched_tokens) == (first.replica, "prefix", 40)
     assert router.stats[first.replica].load == 1
     router.set_alive(first.replica, False)
-    other = router.choose(prompt)
-    assert other.replica != first.replica
-    router.set_alive(first.replica, True)
-    assert router.choose(prompt).matched_tokens == 0  # the restarted replica starts empty
-    router.complete(first.replica)
+    assert router.choose(prompt).replica != first.replica
+    router.complete(first.replica)  # its request ended (failed) while it was out
     assert router.stats[first.replica].load == 0
+    router.set_alive(first.replica, True)
+    assert router.choose(prompt).replica == first.replica  # a pause, not a restart: index kept
+    router.restarted(first.replica)
+    assert router.choose(prompt).matched_tokens == 0
     assert router.stats[first.replica].estimated_hit_tokens == 0

@@ -10,12 +10,14 @@ request models. A body that does not parse is routed with no key (to the least l
 whose server answers it with the proper 400.
 
 Faults. A replica that fails (`ReplicaFailed`: its process died, or it is unreachable) is taken
-out of routing at once, and `probe_all` brings it back when it answers again, with an empty
-prefix index, since a restarted replica's cache is empty. A request it was serving is retried
-once on another replica if nothing of the response has reached the client yet: generation has
-no side effect, so the client sees only the delay. That covers every non-streamed request (the
-router holds its body until it is complete) and a stream that failed before its first byte. A
-stream already under way cannot be taken back; it ends with an error event in OpenAI's shape.
+out of routing at once, and `probe_all` brings it back when it answers again. Its prefix index
+is kept unless it answers as a new process (a new `incarnation`, whose cache is empty): a replica
+too busy to answer a probe in time loses its traffic for a moment, not what the router knows.
+A request it was serving is retried once on another replica if nothing of the response has
+reached the client yet: generation has no side effect, so the client sees only the delay. That
+covers every non-streamed request (the router holds its body until it is complete) and a stream
+that failed before its first byte. A stream already under way cannot be taken back; it ends
+with an error event in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class RouterService:
                 raise info
             else:
                 if self.incarnations[i] not in (None, info.incarnation):
-                    self.router.set_alive(i, False)  # restarted: forget what it held
+                    self.router.restarted(i)
                 self.incarnations[i] = info.incarnation
                 self.router.set_alive(i, True)
 

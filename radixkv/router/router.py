@@ -2,9 +2,9 @@
 
 The caller reports what happens to each request: `dispatch` when it is sent (the prompt is
 recorded in the replica's index and its load rises), `complete` when it ends, with the reply's
-tokens when it has them (the load falls, and the whole sequence is recorded), and `set_alive`
-when a replica dies or comes back (a dead replica leaves routing and its index is cleared,
-since a restarted replica starts with an empty cache). `stats` is what `/metrics` shows.
+tokens when it has them (the load falls, and the whole sequence is recorded), `set_alive` when
+a replica dies or comes back (a dead replica leaves routing), and `restarted` when it is a new
+process (its index is cleared, as its cache is empty). `stats` is what `/metrics` shows.
 """
 
 from __future__ import annotations
@@ -72,11 +72,13 @@ class Router:
             self.indexes[replica].record(sequence)
 
     def set_alive(self, replica: int, alive: bool) -> None:
-        s = self.stats[replica]
-        if s.alive and not alive:
-            self.indexes[replica].clear()
-            s.load = 0
-        s.alive = alive
+        """Takes a replica out of routing or back in. Its index and load stay: a replica found
+        unresponsive may be busy, not dead, and its requests still end through `complete`."""
+        self.stats[replica].alive = alive
+
+    def restarted(self, replica: int) -> None:
+        """The replica came back as a new process: its cache, and so its index, starts empty."""
+        self.indexes[replica].clear()
 
     def imbalance(self) -> float:
         """Busiest replica's requests / the mean over replicas (1.0 is perfectly even)."""
