@@ -90,6 +90,7 @@ class EngineCore:
         self._aborts: deque[str] = deque()
         self._ids = itertools.count()
         self._lock = threading.RLock()  # the step lock
+        self._submit_lock = threading.Lock()  # makes a request id's check and claim one act; never held long
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -152,11 +153,13 @@ class EngineCore:
 
     def submit(self, requests: list[Request]) -> list[str]:
         """Queues requests for the next step; returns their ids. Never waits for a step."""
-        for request in requests:
-            if request.request_id in self._requests:
-                raise ValueError(f"request_id {request.request_id!r} is already in use")
-            self._requests[request.request_id] = request
-            self._inbox.append(request)
+        with self._submit_lock:
+            taken = next((r.request_id for r in requests if r.request_id in self._requests), None)
+            if taken is not None:
+                raise ValueError(f"request_id {taken!r} is already in use")
+            for request in requests:
+                self._requests[request.request_id] = request
+                self._inbox.append(request)
         if self.on_submit is not None:
             self.on_submit()
         return [r.request_id for r in requests]

@@ -143,17 +143,12 @@ class Scheduler:
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
             # Leave a block of growth for every running sequence, or the next step preempts.
-            fits = need <= self.kv.num_available - self.num_running_seqs
-            if fits:
-                try:
-                    self.kv.reserve([(seq.table, n) for seq, n in plan])
-                except OutOfBlocks:  # num_available is exact, so this means a bookkeeping bug
-                    fits = False
-            if not fits:
+            if need > self.kv.num_available - self.num_running_seqs:
                 for seq in request.seqs:
                     self.kv.release(seq.table)
                     seq.table = None
                 break
+            self.kv.reserve([(seq.table, n) for seq, n in plan])  # cannot run short: the count is exact
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = cached
                 self.prefix_cache_queries += len(request.prompt_ids)

@@ -46,7 +46,9 @@ def leak_free(core) -> None:
 def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folders):
     batch = prompts(64, seed=1)
     sync = Engine.from_pretrained(model_folders["llama"], **KW)
-    expected = [sync.generate([p], params_for(i))[0].token_ids for i, p in enumerate(batch)]
+    ids = [sync.add_request(p, params_for(i)) for i, p in enumerate(batch)]
+    sync.run_until(lambda: not sync.has_unfinished_requests())
+    expected = [sync.output(i).token_ids for i in ids]
     rng = random.Random(2)
     cancel_after = {i: rng.randrange(0, 4) for i in rng.sample(range(64), 16)}  # deltas, then cancel
     break_after = {i: rng.randrange(1, 4) for i in rng.sample(sorted(set(range(64)) - set(cancel_after)), 8)}
@@ -161,3 +163,20 @@ def test_an_idle_engine_sleeps(model_folders):
         return used
 
     assert asyncio.run(main()) < 0.005, "the loop thread used CPU while idle"
+
+
+def test_shutdown_aborts_what_is_in_flight(model_folders):
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        task = asyncio.create_task(engine.generate([1, 2, 3], long))
+        while engine.metrics()["running"] == 0:
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+        out = await task
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500
+        leak_free(engine.core)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await engine.generate([1, 2, 3], long)
+
+    asyncio.run(main())

@@ -74,3 +74,18 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_settled():
     assert detok.stopped and detok.text == "aSTOb"
     # The last len("STOP") - 1 characters wait until the next tokens settle them.
     assert released[:5] == ["", "", "", "a", "aS"]
+
+
+def test_each_token_decodes_a_bounded_window_not_the_whole_text():
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return decode(ids)
+
+    ids = TOKENIZER.encode("héllo wörld 你好 🙂 " * 100)  # 2,700 tokens, multi-byte characters among them
+    detok = IncrementalDetokenizer(counting)
+    for n in range(1, len(ids) + 1):
+        detok.push(ids[:n])
+    assert detok.text == decode(ids)
+    assert sum(decoded) <= 8 * len(ids), "decoding cost grows with the text: not incremental"

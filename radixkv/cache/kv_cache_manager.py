@@ -159,7 +159,9 @@ class KVCacheManager:
         if table.node is not None:
             self.cache.dec_lock(table.node)
         table.node = match.node
-        for i, b in enumerate(match.blocks):
+        # Only the whole blocks of the locked path: where the insert declined a run (a hash
+        # collision), the match ends early, perhaps inside a block of some other prefix.
+        for i, b in enumerate(match.blocks[: match.node.end // self.block_size]):
             if table.blocks[i] != b:
                 self.pool.incref(b)
                 self.pool.decref(table.blocks[i])
