@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
             serve.run(app, name=f"bench-{router}", route_prefix="/")
             server = Server(f"http://127.0.0.1:{port}/v1")
             runs[f"{args.replicas} replicas, {router}"] = replay_url(workload, server, tokenizer, args.speed)
-            serve.delete(f"bench-{router}")
+            serve.delete(f"bench-{router}")  # its engines stop before the next application starts
     finally:
-        serve.shutdown()
         ray.shutdown()
     report = {
         "workload": str(args.workload),
