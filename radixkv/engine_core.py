@@ -266,9 +266,10 @@ class EngineCore:
             self.abort(request_id)
         self._requests.pop(request_id, None)
 
-    def stream_deltas(self, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
-        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the last carries the
-        finish reason when `finished`. Call under the step lock, or from the stepping thread."""
+    def stream_deltas(self, request: Request, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
+        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the first of all carries the
+        request's cached prompt tokens, the last the finish reason when `finished`. Call under the
+        step lock, or from the stepping thread."""
         out = seq.output_ids
         pieces = seq.detok.pieces if seq.detok is not None else None
         deltas = []
@@ -276,6 +277,8 @@ class EngineCore:
             record = [seq.token_logprobs[i]] if seq.token_logprobs is not None else None
             reason = seq.finish_reason if finished and i == len(out) - 1 else None
             deltas.append(StreamDelta(out[i], pieces[i] if pieces is not None else "", reason, record))
+        if start == 0 and deltas:  # the prefix match is known from admission on
+            deltas[0].num_cached_tokens = request.num_cached_tokens or 0
         return deltas
 
     def decode(self, ids: list[int]) -> str:

@@ -11,6 +11,7 @@ aborts what is still going and stops its loop thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,8 @@ from radixkv.server.errors import APIError, from_validation
 from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.state import ServerState
+
+log = logging.getLogger("radixkv.server")
 
 
 def build_app(
@@ -54,6 +57,11 @@ def build_app(
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

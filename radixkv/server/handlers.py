@@ -21,10 +21,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.errors import RequestError
-from radixkv.server import params as P
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
 from radixkv.server.generation import ChoiceStreams, Finished, run_beam_search, run_sampling
+from radixkv.server.params import beam_params, max_tokens, renames, sampling_params
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
@@ -49,23 +49,23 @@ async def create(
         default = COMPLETIONS_MAX_TOKENS
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
-    tokens = P.max_tokens(body, default)
+    tokens = max_tokens(body, default)
     try:
         if body.stream:
             seed = body.seed
             streams = ChoiceStreams.open(
                 engine,
                 prompts,
-                lambda i: P.sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
+                lambda i: sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
                 body.n,
                 request_id,
             )
         elif body.use_beam_search:
-            work = run_beam_search(engine, prompts, P.beam_params(body, tokens), request_id)
+            work = run_beam_search(engine, prompts, beam_params(body, tokens), request_id)
         else:
-            work = run_sampling(engine, prompts, P.sampling_params(body, tokens), request_id)
+            work = run_sampling(engine, prompts, sampling_params(body, tokens), request_id)
     except ValueError as e:
-        raise APIError.bad_request(engine_param(str(e), P.renames(body)), str(e)) from e
+        raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     count = len(prompts) * (body.n if body.stream else 1)
     state.admit(count)
     if body.stream:
@@ -99,7 +99,7 @@ async def _engine_errors(work: Awaitable[Finished], body: Any) -> Finished:
     try:
         return await work
     except ValueError as e:
-        raise APIError.bad_request(engine_param(str(e), P.renames(body)), str(e)) from e
+        raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     except RequestError as e:
         raise APIError(500, str(e), type="server_error", code="engine_step_failed") from e
 

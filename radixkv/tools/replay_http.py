@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.conversation import Conversation
@@ -53,6 +53,7 @@ class Server:
     endpoint: str | None = None  # "chat" or "completions"; None picks by workload
     model: str | None = None  # the model name to ask for; None asks /v1/models
     timeout_s: float = 600.0
+    base_path: str = field(init=False, default="")  # the URL's path, less a trailing /v1
 
     def __post_init__(self) -> None:
         parts = urllib.parse.urlsplit(self.url)
