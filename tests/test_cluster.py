@@ -85,6 +85,27 @@ def test_each_conversation_stays_on_one_replica_and_reuses_its_cache(client, bas
         assert metrics[f"radixkv_router_estimated_hit_tokens_total[{i}]"] > 0
 
 
+def test_a_stream_through_the_router_equals_the_whole_reply_from_the_same_replica(client):
+    messages = [{"role": "user", "content": "Stream this reply, please, for 53 tokens or so."}]
+    replica, whole = chat_turn(client, messages)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    assert int(raw.headers[REPLICA_HEADER]) == replica  # the same prompt goes where it is cached
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 8)
+    assert usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 16
+
+
 def test_models_and_health_answer_through_the_router(client, base_url):
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
     health = urllib.request.urlopen(f"{base_url}/health", timeout=10).read().decode()
