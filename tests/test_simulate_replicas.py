@@ -108,7 +108,7 @@ def test_replica_hits_and_counts_equal_an_independent_model(seed, router):
     capacity = rng.randint(max(map(len, trace)), 80)
     tokens = HashIdTokens(hash_block)
     requests = [CacheRequest(float(i), tokens.tokens(ids), []) for i, ids in enumerate(trace)]
-    (result,) = simulate_replicas(requests, replicas, [router], [capacity], hash_block, "lru")
+    (result,) = simulate_replicas(requests, replicas, [router], [capacity], hash_block, ["lru"])
     hits, counts = naive_replicas(trace, replicas, router, capacity, hash_block)
     assert (result.hit_tokens, result.requests_per_replica) == (hits, counts)
     assert result.imbalance == pytest.approx(max(counts) / (sum(counts) / replicas))
@@ -119,9 +119,9 @@ def test_cache_aware_routing_keeps_conversations_together():
     trace = session_trace(rng, 300)
     tokens = HashIdTokens(4)
     requests = [CacheRequest(float(i), tokens.tokens(ids), []) for i, ids in enumerate(trace)]
-    rows = simulate_replicas(requests, 4, ["cache-aware", "round-robin"], [200], 4, "lru")
+    rows = simulate_replicas(requests, 4, ["cache-aware", "round-robin"], [200], 4, ["lru"])
     aware, rr = rows
-    single = simulate_replicas(requests, 1, ["round-robin"], [800], 4, "lru")[0]
+    single = simulate_replicas(requests, 1, ["round-robin"], [800], 4, ["lru"])[0]
     assert aware.hit_rate >= 0.9 * single.hit_rate
     assert aware.hit_rate > 1.25 * rr.hit_rate
 

@@ -9,11 +9,13 @@ so the cache can be simulated or embedded on its own.
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks, check_block_size, parse_bytes
 from radixkv.cache.eviction import POLICIES, EvictionPolicy, make_policy
-from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.kv_cache_manager import NO_DATA, BlockMover, BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import MatchResult, RadixCache, RadixNode
 
 __all__ = [
+    "NO_DATA",
     "POLICIES",
+    "BlockMover",
     "BlockPool",
     "BlockTable",
     "EvictionPolicy",

@@ -16,6 +16,7 @@ import torch
 
 from radixkv import kernels
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
+from radixkv.model.host_kv import HostKVCache
 from radixkv.model.loader import LoadedModel
 
 
@@ -61,7 +62,9 @@ class ModelRunner:
     paged cache (`set_attn_implementation`); a plain transformers forward needs a copy made before.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.loaded = loaded
@@ -73,6 +76,7 @@ class ModelRunner:
         layers = range(loaded.num_layers)
         self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in layers]
         self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in layers]
+        self.host = HostKVCache(num_host_blocks, self.k_caches + self.v_caches) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
 
     @torch.inference_mode()
@@ -110,6 +114,16 @@ class ModelRunner:
         dst_t = torch.tensor(dst, dtype=torch.int32, device=self.device)
         for k_cache, v_cache in zip(self.k_caches, self.v_caches, strict=True):
             kernels.copy_blocks(k_cache, v_cache, src_t, dst_t)
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        """Copy device blocks `src[i]` to host blocks `dst[i]` (the host tier), every layer."""
+        self._check_block_ids(src)
+        self.host.offload(self.k_caches + self.v_caches, src, dst)
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        """Copy host blocks `src[i]` back to device blocks `dst[i]`, every layer."""
+        self._check_block_ids(dst)
+        self.host.load(self.k_caches + self.v_caches, src, dst)
 
     def _build_batch(self, chunks: list[SequenceChunk]) -> StepInputs:
         """Host-side metadata for one step, built on the CPU and moved to the device once."""

@@ -16,7 +16,8 @@ costs a worse route, never a wrong answer: the replica's own cache decides what 
 
 from __future__ import annotations
 
-from radixkv.cache import BlockPool, KVCacheManager, RadixCache, make_policy
+from radixkv.cache import BlockPool, KVCacheManager, OutOfBlocks, RadixCache, make_policy
+from radixkv.cache.kv_cache_manager import NO_DATA
 
 
 class PrefixIndex:
@@ -42,7 +43,15 @@ class PrefixIndex:
         """`tokens` were sent to the replica (a prompt, or a prompt with its reply): they are
         now its most recently used sequence, evicting the least recently used to make room. A
         sequence longer than the whole capacity is not recorded, as the replica cannot keep it."""
-        self._kv.serve_without_model(tokens, [])
+        kv = self._kv
+        table = kv.admit(tokens)
+        try:
+            kv.reserve([(table, len(tokens) - table.num_tokens)])
+        except OutOfBlocks:
+            kv.release(table)
+        else:
+            kv.run_transfers(NO_DATA)  # only references move: there is no KV data here
+            kv.cache_finished(table, tokens)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -90,7 +90,8 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
             t, i, k = heapq.heappop(due)
             turn = sessions[i].turns[k]
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            in_flight[engine.add_request(convs[i].prompt(turn.user), params)] = (i, k, t)
+            request_id = engine.add_request(convs[i].prompt(turn.user), params, session_id=sessions[i].name)
+            in_flight[request_id] = (i, k, t)
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
             continue
@@ -115,6 +116,8 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
             )
             if k + 1 < len(sessions[i].turns):
                 heapq.heappush(due, (done_s + sessions[i].turns[k + 1].think / speed, i, k + 1))
+            else:
+                engine.close_session(sessions[i].name)
             if bar is not None:
                 bar.update(1)
     wall = time.perf_counter() - start
