@@ -8,7 +8,7 @@ import json
 import random
 
 import pytest
-from shared_traces import shared_trace
+from shared_traces import random_hash_trace, shared_trace
 
 from radixkv.cache import NO_DATA, BlockPool, KVCacheManager, RadixCache, make_policy
 from radixkv.cli import main
@@ -150,23 +150,11 @@ def block_belady_hits(trace: list[list[int]], capacity: int, hash_block: int) ->
     return hits
 
 
-def random_hash_trace(rng: random.Random, n: int) -> list[list[int]]:
-    requests: list[list[int]] = []
-    next_id = 0
-    for _ in range(n):
-        base = rng.choice(requests) if requests and rng.random() < 0.8 else []
-        ids = base[: rng.randint(0, len(base))]
-        for _ in range(rng.randint(1, 5)):
-            ids = [*ids, next_id]
-            next_id += 1
-        requests.append(ids)
-    return requests
-
 
 @pytest.mark.parametrize("seed", range(5))
 def test_optimal_equals_an_independent_block_level_belady_and_beats_every_online_policy(seed):
     rng = random.Random(seed)
-    trace = random_hash_trace(rng, 200)
+    trace = random_hash_trace(rng, 200, extend_p=0.8, max_new=5)
     hash_block = 4
     capacity = rng.randint(max(map(len, trace)) + 1, 60)
     tokens = HashIdTokens(hash_block)

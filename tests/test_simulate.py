@@ -3,7 +3,7 @@ import random
 from collections import OrderedDict
 
 import pytest
-from shared_traces import shared_trace
+from shared_traces import random_hash_trace, shared_trace
 
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache
 from radixkv.cli import main
@@ -32,19 +32,6 @@ def block_lru_hits(requests: list[list[int]], capacity: int, hash_block: int) ->
             cache.popitem(last=False)
     return hits
 
-
-def random_hash_trace(rng: random.Random, n: int) -> list[list[int]]:
-    """Requests that extend earlier ones at random points, as hash ids name whole prefixes."""
-    requests: list[list[int]] = []
-    next_id = 0
-    for _ in range(n):
-        base = rng.choice(requests) if requests and rng.random() < 0.7 else []
-        ids = base[: rng.randint(0, len(base))]
-        for _ in range(rng.randint(1, 8)):
-            ids = [*ids, next_id]
-            next_id += 1
-        requests.append(ids)
-    return requests
 
 
 @pytest.mark.parametrize("seed", range(6))
