@@ -44,6 +44,7 @@ from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.errors import RequestError
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
+from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
 from radixkv.model.sampler import make_generator
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
@@ -59,7 +60,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible run to run
-        self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+        # Tensor parallelism: the runner starts the other ranks and holds rank 0's shard.
+        parallel = ParallelRunner(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, parallel)
+        except BaseException:
+            if parallel is not None:
+                parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig, parallel: ParallelRunner | None) -> None:
+        if parallel is not None:
+            self.model = parallel.model
+        else:
+            self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids: list[int] = list(self.model.eos_token_ids)
         self.vocab_size: int = self.model.vocab_size
@@ -76,7 +90,9 @@ class EngineCore:
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
         self.kv = KVCacheManager(self.pool, cache)
-        self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size)
+        if parallel is not None:
+            parallel.allocate(self.pool.num_blocks, config.block_size)
+        self.runner = parallel or ModelRunner(m, self.pool.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -208,6 +224,18 @@ class EngineCore:
                 hook(self)
             self._notify(ended + touched)
             return touched
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
+        requests. A single-rank engine holds nothing to release."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def has_work(self) -> bool:
         """Whether a step would do anything: requests queued, waiting or running, or aborts."""

@@ -1,0 +1,99 @@
+"""A tensor-parallel worker: ranks 1..N-1 of an engine, each in its own process.
+
+A worker is started by rank 0's `ParallelRunner` and talks to it over one pipe. It joins the
+group, loads the same model as rank 0, keeps its shard, and after the `Allocate` message builds
+its own `ModelRunner` over a KV cache of the same blocks with its slice of the heads. Then, for
+every step, it receives one message (the step's block copies and chunks), runs the same copies
+and the same forward (joining rank 0's all-reduces) and answers `None`, or the error's text when
+its step raised. Its logits are not needed, so its LM head is left out.
+
+A worker ends when rank 0 sends `None`, and also when the pipe closes (rank 0 exited or was
+killed), so it never outlives the engine. It ignores SIGINT: a Ctrl-C in a terminal reaches every
+process of the foreground group, and stopping the workers is rank 0's call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from radixkv.config import EngineConfig
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, SequenceChunk
+from radixkv.model.tensor_parallel import plan_shards, shard_model
+from radixkv.model.tp_group import all_reducer, connect, rank_device
+
+
+class Allocate(NamedTuple):
+    """Rank 0 to a worker, once: build the KV cache (every rank has the same blocks)."""
+
+    num_blocks: int
+    block_size: int
+
+
+class Step(NamedTuple):
+    """Rank 0 to a worker, each step: run these block copies, then this forward."""
+
+    copies: list[tuple[list[int], list[int]]]
+    chunks: list[SequenceChunk]
+
+
+class _NoLogits(nn.Module):
+    """The LM head of a worker: only rank 0 samples, so workers compute no logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[..., :0]
+
+
+def worker_main(rank: int, size: int, port: int, config: EngineConfig, conn: Connection) -> None:
+    """The body of worker `rank` (the target of its process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        runner = _start(rank, size, port, config, conn)
+        conn.send(None)
+        while True:
+            message = pickle.loads(conn.recv_bytes())
+            if message is None:
+                return
+            conn.send(_run(runner, message))
+    except (EOFError, OSError):  # rank 0 is gone: nothing to answer
+        return
+    except BaseException:
+        _answer(conn, traceback.format_exc())
+
+
+def _start(
+    rank: int, size: int, port: int, config: EngineConfig, conn: Connection
+) -> ModelRunner:
+    device = rank_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = connect(port, rank, size, device)
+    loaded = load_model(config.model, dtype=config.dtype, device="cpu", seed=config.seed)
+    loaded = shard_model(loaded, plan_shards(loaded, size), rank, all_reducer(group))
+    loaded.model.lm_head = _NoLogits()
+    loaded.model.to(device)
+    allocate = pickle.loads(conn.recv_bytes())
+    return ModelRunner(loaded, allocate.num_blocks, allocate.block_size)  # its hooks hold the group
+
+
+def _run(runner: ModelRunner, step: Step) -> str | None:
+    try:
+        for src, dst in step.copies:
+            runner.copy_blocks(src, dst)
+        runner.forward(step.chunks)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _answer(conn: Connection, text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(text)
