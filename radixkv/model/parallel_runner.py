@@ -104,6 +104,11 @@ class ParallelRunner:
             raise
 
     @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [worker.process.pid for worker in self._workers]
+
+    @property
     def num_blocks(self) -> int:
         return self._runner().num_blocks
 
