@@ -135,51 +135,16 @@ def test_abort_and_prefix_hits_match_one_rank(llama) -> None:
     assert expected[2][-1] >= len(shared) - BLOCK  # the last prompt hits the shared prefix
 
 
-def test_close_stops_the_workers_and_later_requests_fail(llama) -> None:
-    _, two = llama
-    pids = two.runner.worker_pids
-    two.close()
-    assert all(gone(pid) for pid in pids)
-    with pytest.raises(RequestError) as caught:
-        two.generate([[1, 2, 3]], GREEDY)
-    assert isinstance(caught.value.__cause__, TensorParallelError)
-
-
-def _mistral_one_kv_head_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    """Mistral with one KV head, so each of 2 ranks holds a replica of it, and a 64-token window."""
-    sizes = {**TINY_SIZES, "num_key_value_heads": 1}
-    config = MistralConfig(architectures=["MistralForCausalLM"], head_dim=16, sliding_window=64, **sizes)
-    model = build_random_model(config, dtype=torch.float32, device="cpu", seed=1).model
-    folder = tmp_path_factory.mktemp("mistral-kv1")
-    model.save_pretrained(folder)
-    build_byte_tokenizer().save_pretrained(folder)
-    return folder, model
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference_models, tmp_path_factory):
-    if arch == "qwen2":
-        folder, reference = model_folders["qwen2"], reference_models["qwen2"]
-        one, two = engine_pair(folder, 256 << 10, 128 << 10)
-    else:  # one KV head: each rank holds all of it
-        folder, reference = _mistral_one_kv_head_folder(tmp_path_factory)
-        one, two = engine_pair(folder, 128 << 10, 128 << 10)
-    with two:
-        batch = prompts(3, seed=4)
-        expected = [o.token_ids for o in one.generate(batch, GREEDY)]
-        assert [o.token_ids for o in two.generate(batch, GREEDY)] == expected
-        assert expected == [transformers_greedy(reference, p, 10) for p in batch]
-        no_leaks(two)
-
-
-def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(model_folders) -> None:
-    engine = Engine.from_pretrained(model_folders["llama"], tensor_parallel_size=2, kv_cache_memory="1MiB")
+def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(llama) -> None:
+    """Last of the Llama tests: it ends the module's 2-rank engine."""
+    _, engine = llama
     (pid,) = engine.runner.worker_pids
+    steps_before = engine.num_steps
     killed_at: list[float] = []
     prompt = prompts(1, seed=8)[0]
 
     def kill_once_generating() -> None:
-        while not engine.num_steps:
+        while engine.num_steps < steps_before + 3:
             time.sleep(0.01)
         killed_at.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
@@ -187,7 +152,7 @@ def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(m
     killer = threading.Thread(target=kill_once_generating)
     killer.start()
     with pytest.raises(RequestError) as caught:
-        engine.generate([prompt], SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
+        engine.generate([prompt], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
     failed_after = time.monotonic() - killed_at[0]
     killer.join()
     assert isinstance(caught.value.__cause__, TensorParallelError)
@@ -196,7 +161,6 @@ def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(m
     assert gone(pid) and not multiprocessing.active_children()
     with pytest.raises(RequestError, match="rank 1 died"):  # the engine refuses work, without hanging
         engine.generate([prompt], GREEDY)
-    engine.close()
 
 
 def test_a_size_the_heads_do_not_allow_fails_before_any_process(model_folders, monkeypatch) -> None:
@@ -223,3 +187,35 @@ def test_each_rank_keeps_the_kv_head_its_query_heads_attend_to() -> None:
         assert len(q_heads) == 2 and k == v and (k.stop - k.start) == 8
         assert {h // group for h in q_heads} == {k.start // 8}
     assert specs["o_proj"].keep(3) == slice(48, 64) and specs["down_proj"].keep(1) == slice(32, 64)
+
+
+def _mistral_one_kv_head_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """Mistral with one KV head, so each of 2 ranks holds a replica of it, and a 64-token window."""
+    sizes = {**TINY_SIZES, "num_key_value_heads": 1}
+    config = MistralConfig(architectures=["MistralForCausalLM"], head_dim=16, sliding_window=64, **sizes)
+    model = build_random_model(config, dtype=torch.float32, device="cpu", seed=1).model
+    folder = tmp_path_factory.mktemp("mistral-kv1")
+    model.save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference_models, tmp_path_factory):
+    if arch == "qwen2":
+        folder, reference = model_folders["qwen2"], reference_models["qwen2"]
+        one, two = engine_pair(folder, 256 << 10, 128 << 10)
+    else:  # one KV head: each rank holds all of it
+        folder, reference = _mistral_one_kv_head_folder(tmp_path_factory)
+        one, two = engine_pair(folder, 128 << 10, 128 << 10)
+    with two:  # the context manager closes the engine, stopping its worker
+        batch = prompts(3, seed=4)
+        expected = [o.token_ids for o in one.generate(batch, GREEDY)]
+        assert [o.token_ids for o in two.generate(batch, GREEDY)] == expected
+        assert expected == [transformers_greedy(reference, p, 10) for p in batch]
+        no_leaks(two)
+        pids = two.runner.worker_pids
+    assert all(gone(pid) for pid in pids)
+    with pytest.raises(RequestError) as caught:  # a closed engine fails requests, without hanging
+        two.generate(batch, GREEDY)
+    assert isinstance(caught.value.__cause__, TensorParallelError)
