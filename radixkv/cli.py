@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine import Engine
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -27,9 +31,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
-    from radixkv import Engine, EngineConfig, SamplingParams
+    from radixkv import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=args.model))
+    with Engine(EngineConfig(model=args.model, tensor_parallel_size=args.tensor_parallel_size)) as engine:
+        return _chat_loop(engine, args)
+
+
+def _chat_loop(engine: Engine, args: argparse.Namespace) -> int:
+    from radixkv import SamplingParams
+
     session = engine.chat(system=args.system)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     while True:
@@ -74,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
+    )
     chat.set_defaults(func=_chat)
 
     bench = commands.add_parser("bench", help="benchmarks")
