@@ -24,6 +24,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.suite == "tp":
+        from radixkv.tools import bench_tp
+
+        return bench_tp.run(args)
     from radixkv.tools import bench_kernels
 
     return bench_kernels.run(args)
@@ -63,7 +67,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radixkv.tools import replay, simulate
+    from radixkv.tools import bench_tp, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -94,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     kernels = suites.add_parser("kernels", help="Triton paged attention against torch")
     kernels.add_argument("--json", action="store_true", help="print only a JSON object")
     kernels.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per case and side")
+    tp = suites.add_parser("tp", help="step time with 1 rank and with N (tensor parallelism)")
+    bench_tp.add_arguments(tp)
     bench.set_defaults(func=_bench)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
