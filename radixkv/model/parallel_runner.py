@@ -137,10 +137,16 @@ class ParallelRunner:
         self._send(pickle.dumps(Step(self._copies, chunks)))
         self._copies = []
         try:
-            logits, error = local.forward(chunks), None
-        except Exception as raised:
-            logits, error = None, raised
-        answers = self._collect("run a step", ERROR_GRACE_S if error else COLLECTIVE_TIMEOUT.total_seconds())
+            try:
+                logits, error = local.forward(chunks), None
+            except Exception as raised:
+                logits, error = None, raised
+            wait_s = ERROR_GRACE_S if error else COLLECTIVE_TIMEOUT.total_seconds()
+            answers = self._collect("run a step", wait_s)
+        except BaseException:
+            if self._dead is None:  # interrupted (KeyboardInterrupt) mid-step: the ranks are out of step
+                self._stop_all("rank 0 was interrupted during a step")
+            raise
         failed = [(rank, text) for rank, text in answers if text is not None]
         if error is None and not failed:
             return logits
@@ -205,9 +211,12 @@ class ParallelRunner:
 
     def _fail(self, reason: str, cause: BaseException | None = None) -> None:
         """Stops every worker and makes this and every later step raise TensorParallelError."""
+        self._stop_all(reason)
+        raise self._dead from cause
+
+    def _stop_all(self, reason: str) -> None:
         self._dead = TensorParallelError(f"{reason}; the tensor-parallel workers are stopped")
         self._finalizer()
-        raise self._dead from cause
 
 
 def _death(worker: _Worker) -> str:
