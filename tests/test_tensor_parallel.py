@@ -89,6 +89,13 @@ def test_logits_match_one_rank_for_prefill_extend_and_decode(llama) -> None:
     assert two.pool.num_free == one.pool.num_free == one.pool.num_blocks
 
 
+def test_a_step_every_rank_refuses_fails_alone_and_the_ranks_stay_in_step(llama) -> None:
+    one, two = llama
+    with pytest.raises(ValueError, match="block ids must be in"):
+        two.runner.forward([SequenceChunk([1, 2], 0, [two.pool.num_blocks])])
+    assert two.generate([[5, 6, 7]], GREEDY)[0].token_ids == one.generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
 def test_greedy_under_preemption_matches_one_rank_and_transformers(llama, reference_models) -> None:
     one, two = llama
     batch = prompts(6, seed=2, low=20, high=32)
