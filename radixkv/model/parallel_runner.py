@@ -99,8 +99,11 @@ class ParallelRunner:
             group = connect(self._store, 0, size, self.device)  # returns once every worker has joined
             self.model: LoadedModel = shard_model(full, specs, 0, all_reducer(group))
             self.model.model.to(self.device)
-        except BaseException:
+        except BaseException as error:
+            dead = [worker for worker in self._workers if not worker.process.is_alive()]
             self.close()
+            if dead and isinstance(error, Exception):
+                raise RuntimeError(f"{_death(dead[0])} while the group was forming") from error
             raise
 
     @property
@@ -196,8 +199,8 @@ class ParallelRunner:
                 ranks = ", ".join(str(worker.rank) for worker in pending.values())
                 self._fail(f"tensor-parallel worker rank {ranks} did not {what} within {timeout:.0f} s")
             for handle in ready:
-                worker = pending.get(handle) or sentinels[handle]
-                if worker.conn not in pending:
+                worker = pending.get(handle) or sentinels.get(handle)
+                if worker is None or worker.conn not in pending:  # answered and exited: read once
                     continue
                 try:
                     if handle is worker.conn or worker.conn.poll():
