@@ -23,6 +23,7 @@ from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
+from radixkv.cli import main
 from radixkv.errors import TensorParallelError
 from radixkv.model.loader import build_random_model
 from radixkv.model.parallel_runner import ParallelRunner
@@ -226,3 +227,18 @@ def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference
     with pytest.raises(RequestError) as caught:  # a closed engine fails requests, without hanging
         two.generate(batch, GREEDY)
     assert isinstance(caught.value.__cause__, TensorParallelError)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "workloads/shared_prefix_small.jsonl"],
+        ["chat"],
+        ["bench", "tp", "--device", "cpu"],
+    ],
+)
+def test_every_engine_command_takes_the_size_to_the_engine(argv, capsys) -> None:
+    """3 ranks over tiny-llama's 8 query heads reaches the engine's check, before any process."""
+    assert main([*argv, "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size 3 does not divide the 8 heads" in capsys.readouterr().err
+    assert not multiprocessing.active_children()
