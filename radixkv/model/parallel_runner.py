@@ -47,6 +47,7 @@ from radixkv.model.runner import ModelRunner, SequenceChunk
 from radixkv.model.tensor_parallel import plan_shards, shard_model
 from radixkv.model.tp_group import (
     COLLECTIVE_TIMEOUT,
+    Communicator,
     all_reducer,
     check_devices,
     connect,
@@ -82,6 +83,7 @@ class ParallelRunner:
         self._copies: list[tuple[list[int], list[int]]] = []
         self._dead: TensorParallelError | None = None
         self._workers: list[_Worker] = []
+        self._group: Communicator | None = None
         self._finalizer = weakref.finalize(self, _stop, self._workers)
         self._store = open_store(size)  # kept: the group's rendezvous lives on rank 0
         context = mp.get_context("spawn")
@@ -96,8 +98,8 @@ class ParallelRunner:
                 self._workers.append(_Worker(rank, process, parent))
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            group = connect(self._store, 0, size, self.device)  # returns once every worker has joined
-            self.model: LoadedModel = shard_model(full, specs, 0, all_reducer(group))
+            self._group = connect(self._store, 0, size, self.device)  # returns once every worker has joined
+            self.model: LoadedModel = shard_model(full, specs, 0, all_reducer(self._group))
             self.model.model.to(self.device)
         except BaseException as error:
             dead = [worker for worker in self._workers if not worker.process.is_alive()]
@@ -219,6 +221,11 @@ class ParallelRunner:
 
     def _stop_all(self, reason: str) -> None:
         self._dead = TensorParallelError(f"{reason}; the tensor-parallel workers are stopped")
+        if self.device.type == "cuda" and self._group is not None:
+            # NCCL waits on the device, not the host: a collective whose peer is gone would stall
+            # rank 0's stream for good. Aborting the communicator ends it.
+            with contextlib.suppress(RuntimeError):
+                self._group.abort()
         self._finalizer()
 
 

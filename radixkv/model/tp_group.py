@@ -10,10 +10,12 @@ hanging it; a rank that dies closes its sockets, which gloo reports at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as Communicator  # what ProcessGroupGloo/NCCL derive from
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # ranks run in lockstep; this only bounds a stalled one
 HOST = "127.0.0.1"  # all ranks run on this machine
@@ -24,7 +26,7 @@ def open_store(size: int) -> dist.TCPStore:
     return dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
 
 
-def connect(store: dist.Store | int, rank: int, size: int, device: torch.device) -> dist.ProcessGroup:
+def connect(store: dist.Store | int, rank: int, size: int, device: torch.device) -> Communicator:
     """Joins the group (blocks until every rank has joined). `store` is rank 0's own store, or on
     a worker the port of rank 0's."""
     if isinstance(store, int):
@@ -37,7 +39,7 @@ def connect(store: dist.Store | int, rank: int, size: int, device: torch.device)
     return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
 
-def all_reducer(group: dist.ProcessGroup):
+def all_reducer(group: Communicator) -> Callable[[torch.Tensor], None]:
     """A function that sums a tensor over the group's ranks in place (the rowwise layers' hook)."""
 
     def all_reduce(tensor: torch.Tensor) -> None:

@@ -8,13 +8,15 @@ and the same forward (joining rank 0's all-reduces) and answers `None`, or the e
 its step raised. Its logits are not needed, so its LM head is left out.
 
 A worker ends when rank 0 sends `None`, and also when the pipe closes (rank 0 exited or was
-killed), so it never outlives the engine. It ignores SIGINT: a Ctrl-C in a terminal reaches every
-process of the foreground group, and stopping the workers is rank 0's call.
+killed; then at once, with `os._exit`), so it never outlives the engine. It ignores SIGINT: a
+Ctrl-C in a terminal reaches every process of the foreground group, and stopping the workers is
+rank 0's call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
 import traceback
@@ -57,16 +59,18 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, conn: Con
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _start(rank, size, port, config, conn)
+    except BaseException:
+        _answer(conn, traceback.format_exc())  # rank 0 raises it from `allocate`
+        return
+    try:
         conn.send(None)
         while True:
             message = pickle.loads(conn.recv_bytes())
             if message is None:
                 return
             conn.send(_run(runner, message))
-    except (EOFError, OSError):  # rank 0 is gone: nothing to answer
-        return
-    except BaseException:
-        _answer(conn, traceback.format_exc())
+    except (EOFError, OSError):  # rank 0 is gone: nothing to answer, nothing worth tearing down
+        os._exit(0)  # (a collective left waiting on a device could stall a normal exit)
 
 
 def _start(
