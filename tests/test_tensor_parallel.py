@@ -1,9 +1,10 @@
 """Tensor parallelism with 2 ranks over gloo on this CPU, against the single-rank engine and transformers.
 
-Each 2-rank engine starts a worker process (seconds), so the Llama pair is built once for the
-module and every test runs the same operations on both engines, which therefore stay in the same
-state. The two are sized to the same number of blocks (a rank holds half the KV heads, so the
-2-rank engine gets half the bytes) and small enough that the batches below preempt.
+A 2-rank engine starts a worker process (the first of the session waits seconds for the fork
+server's imports), so the Llama pair is built once for the module and every test runs the same
+operations on both engines, which therefore stay in the same state. The two are sized to the same
+number of blocks (a rank holds half the KV heads, so the 2-rank engine gets half the bytes) and
+small enough that the batches below preempt.
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 `ParallelRunner` has the interface of `ModelRunner` that the core uses (`forward(chunks)`,
 `copy_blocks(src, dst)`, `device`) and hides the other ranks behind it. Building it checks
 `tensor_parallel_size` against the model's plan and the devices (ValueError, before any process
-starts), starts ranks 1..N-1 (`radixkv.model.tp_worker`, spawned, so CUDA works in them), joins
-their group and shards rank 0's own copy of the model (`radixkv.model.tensor_parallel`). The core
-then sizes the KV pool from the rank's heads and calls `allocate`.
+starts), starts ranks 1..N-1 (`radixkv.model.tp_worker`), joins their group and shards rank 0's
+own copy of the model (`radixkv.model.tensor_parallel`). The core then sizes the KV pool from the
+rank's heads and calls `allocate`. Workers come from multiprocessing's fork server, started once
+per process with torch, transformers and radixkv imported (about 10 s here); every later worker
+is a fork of it (under a second), and, the server never having touched a device, CUDA works in
+them as with spawn.
 
 Each step is one message per worker, pickled once: the block copies made since the last step
 (run here at once, sent with the next forward) and the step's chunks, from which every rank
@@ -23,13 +26,12 @@ some ranks only is fatal. Workers are stopped by `close()`, when the runner is c
 interpreter exit; a worker also exits when rank 0's end of its pipe closes.
 
 Scripts that build a tensor-parallel engine need the usual `if __name__ == "__main__":` guard,
-since spawned workers import the main module.
+since each worker imports the main module, as spawned processes do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import pickle
 import signal
 import time
@@ -39,6 +41,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 import torch
+import torch.multiprocessing as mp
 
 from radixkv.config import EngineConfig
 from radixkv.errors import TensorParallelError
@@ -86,7 +89,8 @@ class ParallelRunner:
         self._group: Communicator | None = None
         self._finalizer = weakref.finalize(self, _stop, self._workers)
         self._store = open_store(size)  # kept: the group's rendezvous lives on rank 0
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([worker_main.__module__])
         try:
             for rank in range(1, size):
                 parent, child = context.Pipe()
@@ -105,7 +109,10 @@ class ParallelRunner:
             dead = [worker for worker in self._workers if not worker.process.is_alive()]
             self.close()
             if dead and isinstance(error, Exception):
-                raise RuntimeError(f"{_death(dead[0])} while the group was forming") from error
+                raise RuntimeError(
+                    f"{_death(dead[0])} while the group was forming (its traceback is above; a script "
+                    'that builds a tensor-parallel engine needs the `if __name__ == "__main__":` guard)'
+                ) from error
             raise
 
     @property
