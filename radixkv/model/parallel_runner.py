@@ -183,7 +183,7 @@ class ParallelRunner:
 
     def _runner(self) -> ModelRunner:
         if self._dead is not None:
-            raise self._dead
+            raise TensorParallelError(str(self._dead)) from self._dead.__cause__
         if self.local is None:
             raise RuntimeError("ParallelRunner.allocate must run before the first step")
         return self.local

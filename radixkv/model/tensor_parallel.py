@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from radixkv.model.loader import LoadedModel
 
@@ -158,7 +159,7 @@ def rank_kv_heads(num_kv_heads: int, size: int) -> int:
     return max(1, num_kv_heads // size)
 
 
-def _rank_config(loaded: LoadedModel, size: int):
+def _rank_config(loaded: LoadedModel, size: int) -> PretrainedConfig:
     """A copy of the model's config describing one rank's attention: its query and KV heads, the
     head size made explicit. The model's own config (read by its modules) is left as it was."""
     config = copy.deepcopy(loaded.config)

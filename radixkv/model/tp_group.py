@@ -10,12 +10,13 @@ hanging it; a rank that dies closes its sockets, which gloo reports at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as Communicator  # what ProcessGroupGloo/NCCL derive from
+
+from radixkv.model.tensor_parallel import AllReduce
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # ranks run in lockstep; this only bounds a stalled one
 HOST = "127.0.0.1"  # all ranks run on this machine
@@ -39,7 +40,7 @@ def connect(store: dist.Store | int, rank: int, size: int, device: torch.device)
     return dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
 
-def all_reducer(group: Communicator) -> Callable[[torch.Tensor], None]:
+def all_reducer(group: Communicator) -> AllReduce:
     """A function that sums a tensor over the group's ranks in place (the rowwise layers' hook)."""
 
     def all_reduce(tensor: torch.Tensor) -> None:
