@@ -90,9 +90,12 @@ class EngineCore:
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
         self.kv = KVCacheManager(self.pool, cache)
+        self.runner: ModelRunner | ParallelRunner
         if parallel is not None:
             parallel.allocate(self.pool.num_blocks, config.block_size)
-        self.runner = parallel or ModelRunner(m, self.pool.num_blocks, config.block_size)
+            self.runner = parallel
+        else:
+            self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
