@@ -1,18 +1,11 @@
 """Triton kernels of radixkv: paged attention over block tables, KV store and block copy.
 
-Without a GPU, Triton runs in its interpreter. The interpreter is chosen when a kernel is
-decorated, so the switch is made here, before anything imports triton: a user on a CPU machine
-gets working kernels without setting anything. An explicit TRITON_INTERPRET is left alone.
+Each launch runs compiled on CUDA tensors and in Triton's interpreter on CPU tensors
+(`radixkv.kernels.dispatch`), so a user on a CPU machine gets working kernels without setting
+anything, and the process environment is left alone.
 """
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from radixkv.kernels.cache_ops import copy_blocks, store_kv
-from radixkv.kernels.paged_attention import paged_attention
+from radixkv.kernels.paged_attention import AttentionLaunches, paged_attention, plan_paged_attention
 
-__all__ = ["copy_blocks", "paged_attention", "store_kv"]
+__all__ = ["AttentionLaunches", "copy_blocks", "paged_attention", "plan_paged_attention", "store_kv"]

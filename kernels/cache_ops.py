@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
-from radixkv.kernels.launch_plan import launch_guard, plan_copy
+from radixkv.kernels.dispatch import dual_jit, interpreted, launch_guard
+from radixkv.kernels.launch_plan import plan_copy
 
 
-@triton.jit
+@dual_jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
@@ -33,7 +34,7 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+@dual_jit
 def _copy_blocks_kernel(
     k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, num_pairs, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, TOKEN_LEN: tl.constexpr, BLOCK_LEN: tl.constexpr,
@@ -74,9 +75,10 @@ def store_kv(
     if num_tokens == 0:
         return
     row_len = num_kv_heads * head_dim
-    plan = plan_copy(num_tokens, row_len)
+    device = k_cache.device
+    plan = plan_copy(num_tokens, row_len, interpreted(device))
     with launch_guard():
-        _store_kv_kernel[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
+        _store_kv_kernel.on(device)[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
             k, v, k_cache, v_cache, slot_mapping, num_tokens,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -103,9 +105,11 @@ def copy_blocks(
         return
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     block_len = block_size * num_kv_heads * head_dim
-    plan = plan_copy(num_pairs, block_len)
+    device = k_cache.device
+    plan = plan_copy(num_pairs, block_len, interpreted(device))
     with launch_guard():
-        _copy_blocks_kernel[(triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))](
+        grid = (triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))
+        _copy_blocks_kernel.on(device)[grid](
             k_cache, v_cache, src, dst, num_pairs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             HEAD_DIM=head_dim, TOKEN_LEN=num_kv_heads * head_dim, BLOCK_LEN=block_len,
             ROWS=plan.rows, COLS=plan.cols,

@@ -4,18 +4,15 @@ that would cost a device sync on a GPU.
 """
 
 import torch
-from radixkv.kernels.launch_plan import INTERPRETED
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
-    """Compiled Triton runs on CUDA tensors only; the interpreter (no GPU) reads host memory."""
-    if INTERPRETED and t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU: Triton runs in its interpreter here; got {t.device}")
-    if not INTERPRETED and t.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device for compiled Triton, got {t.device}")
+    """CUDA tensors run compiled Triton, CPU tensors its interpreter; no other device runs Triton."""
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} must be on a CUDA device or the CPU (Triton's interpreter), got {t.device}")
 
 
 def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -50,4 +47,6 @@ def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
     if t.dim() != len(shape) or any(want not in (-1, got) for want, got in zip(shape, t.shape, strict=False)):
         want = ", ".join("*" if n == -1 else str(n) for n in shape)
         raise ValueError(f"{name} must have shape [{want}], got {tuple(t.shape)}")
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     check_same_device(name, t, device)

@@ -13,18 +13,16 @@ Two machines with opposite costs:
   on a range of keys, merged by a second kernel) when a decode batch is too small to fill the SMs.
 """
 
-import contextlib
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
-import triton
+from radixkv.kernels.dispatch import FORCE_INTERPRET
 
-INTERPRETED: bool = triton.knobs.runtime.interpret
-"""Whether the kernels run in the Triton interpreter; read at import, as triton.jit does when it
-decorates them (kernels/__init__.py chooses the interpreter when there is no GPU)."""
-_INTERPRETER_LOCK = threading.Lock()
+INTERPRETED: bool = FORCE_INTERPRET or not torch.cuda.is_available()
+"""Whether kernels on this machine's default device (CUDA when present, else the CPU) run in the
+interpreter; tests and benchmarks pick their device from it. Each launch decides from its own
+tensors (`radixkv.kernels.dispatch.interpreted`)."""
 MAX_TILE = 1 << 20
 """Elements in the largest tile of an interpreter program (Triton's limit on a tensor)."""
 INTERPRETER_ROWS = 2048
@@ -62,14 +60,20 @@ class CopyPlan:
     cols: int
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1). triton.next_power_of_2 does the same, but as a
+    constexpr function it costs about 20 us a call on the host, several per launch."""
+    return 1 << (n - 1).bit_length()
+
+
 def padded_group(group: int) -> int:
     """Query heads per KV head, padded to a power of two (a tile dimension)."""
-    return triton.next_power_of_2(group)
+    return next_power_of_2(group)
 
 
 def padded_head_dim(head_dim: int) -> int:
     """Head size padded to a power of two, and to 16 at least (tl.dot's smallest K on a GPU)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def plan_attention_interpreted(
@@ -82,15 +86,15 @@ def plan_attention_interpreted(
     elements in the score and K/V tiles.
     """
     group_p = padded_group(group)
-    block_q = min(triton.next_power_of_2(max_q_len), max(1, INTERPRETER_ROWS // group_p))
+    block_q = min(next_power_of_2(max_q_len), max(1, INTERPRETER_ROWS // group_p))
     rows = block_q * group_p
     width = max(rows, padded_head_dim(head_dim))
     items = min(
-        triton.next_power_of_2(num_items),
+        next_power_of_2(num_items),
         max(1, INTERPRETER_ROWS // rows),
         max(1, MAX_TILE // (width * INTERPRETER_MIN_BLOCK_N)),
     )
-    block_n = min(MAX_TILE // (items * width), triton.next_power_of_2(max_kv_len))
+    block_n = min(MAX_TILE // (items * width), next_power_of_2(max_kv_len))
     return AttentionPlan(block_q, items, block_n, num_splits=1, flat_loads=True)
 
 
@@ -122,23 +126,16 @@ def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
     return min(num_tokens, (num_tokens + num_seqs * (block_q - 1)) // block_q)
 
 
-def plan_copy(num_rows: int, row_len: int) -> CopyPlan:
+def plan_copy(num_rows: int, row_len: int, interpreted: bool) -> CopyPlan:
     """Rows of `row_len` elements (tokens for store_kv, blocks for copy_blocks) to move.
 
     Interpreter: up to MAX_TILE // 4 elements per program (the load loop is fastest below 2**18
     elements). GPU: 4096-element tiles.
     """
-    budget = MAX_TILE // 4 if INTERPRETED else 4096
-    cols = min(triton.next_power_of_2(row_len), budget)
-    rows = min(triton.next_power_of_2(num_rows), max(1, budget // cols))
+    budget = MAX_TILE // 4 if interpreted else 4096
+    cols = min(next_power_of_2(row_len), budget)
+    rows = min(next_power_of_2(num_rows), max(1, budget // cols))
     return CopyPlan(rows, cols)
-
-
-def launch_guard() -> contextlib.AbstractContextManager[object]:
-    """Held around kernel launches. The interpreter patches triton.language module-wide while a
-    kernel runs, so two threads launching at once break each other ("Did you forget to add
-    @triton.jit ?"): interpreted launches take one lock. Compiled launches need none."""
-    return _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext()
 
 
 @functools.cache

@@ -13,22 +13,24 @@ below every item's first query position skip the causal mask. With split-KV each
 range of keys and a second kernel merges the ranges by their log-sum-exp.
 
 Reductions call tl.reduce with triton.language.standard's own combine functions rather than tl.max
-and tl.sum (which do just that): those two are jit functions, which an interpreted kernel cannot
-call when triton was imported before TRITON_INTERPRET was set (transformers imports it through
-torch._inductor), and which cost 0.25 ms a call in the interpreter.
+and tl.sum (which do just that): those two are jit functions, built compiled-only because radixkv
+never sets TRITON_INTERPRET (it interprets per launch, radixkv.kernels.dispatch), which an
+interpreted kernel cannot call, and which cost 0.25 ms a call in the interpreter.
 """
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from radixkv.kernels.dispatch import dual_jit, interpreted, launch_guard
 from radixkv.kernels.launch_plan import (
-    INTERPRETED,
     AttentionPlan,
-    launch_guard,
     max_tiles,
+    next_power_of_2,
     padded_group,
     padded_head_dim,
     plan_attention_gpu,
@@ -38,7 +40,7 @@ from radixkv.kernels.launch_plan import (
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@dual_jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
@@ -125,7 +127,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@dual_jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
@@ -150,6 +152,52 @@ def _merge_splits_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLaunches:
+    """The launches of one paged-attention call: each plan with its tiles (`tile_seq`, `tile_start`,
+    as `_tile_map` returns them). They depend on the batch's lengths and the heads' shapes only, not
+    on the layer, so a model step plans once (`plan_paged_attention`) and every layer reuses them."""
+
+    launches: tuple[tuple[AttentionPlan, torch.Tensor, torch.Tensor], ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    interpreted: bool
+
+
+def plan_paged_attention(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> AttentionLaunches:
+    """Plan the launches for a batch (arguments as in `paged_attention`; `num_tokens` is q's length).
+
+    On a GPU one launch, planned from shapes only, its tile map computed on the device: no sync, and
+    capturable in a CUDA graph. Under the interpreter one or two launches, planned from the lengths
+    read on the host (free there; see _interpreter_launches).
+    """
+    device = seq_lens.device
+    interp = interpreted(device)
+    group = num_heads // num_kv_heads
+    launches = []
+    if interp:
+        for plan, seqs in _interpreter_launches(query_start_loc, seq_lens, num_kv_heads, group, head_dim):
+            launches.append((plan, *_tile_map(query_start_loc, seq_lens, seqs, plan.block_q, None)))
+    else:
+        num_seqs = seq_lens.shape[0]
+        capacity = block_table.shape[1] * block_size
+        plan = plan_attention_gpu(device, num_tokens, num_seqs, num_kv_heads, group, head_dim, capacity)
+        num_tiles = max_tiles(num_tokens, num_seqs, plan.block_q)
+        launches.append((plan, *_tile_map(query_start_loc, seq_lens, None, plan.block_q, num_tiles)))
+    return AttentionLaunches(tuple(launches), num_heads, num_kv_heads, head_dim, interp)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -159,6 +207,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    *,
+    launches: AttentionLaunches | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged KV; returns [T, Hq, D] in q's dtype.
 
@@ -166,10 +216,10 @@ def paged_attention(
     [num_blocks, block_size, Hkv, D], one layer, with the new tokens' K/V already stored; Hq % Hkv == 0.
     block_table: [S, max_blocks]; seq_lens: [S], each sequence's length including its new tokens;
     query_start_loc: [S + 1], cumulative new-token counts (int32 or int64). scale defaults to
-    1/sqrt(D). The result is written into `out` when given.
+    1/sqrt(D). The result is written into `out` when given. `launches`, from `plan_paged_attention`
+    over the same batch, saves planning again (a model's layers share one plan per step).
 
-    Thread-safe. On a GPU one launch, planned from shapes only (no device sync); under the
-    interpreter one or two, planned from the lengths read on the host (see _interpreter_launches).
+    Thread-safe. Compiled on CUDA tensors, interpreted on CPU tensors (radixkv.kernels.dispatch).
     """
     _check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
     out = torch.empty_like(q) if out is None else out
@@ -177,16 +227,21 @@ def paged_attention(
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    shapes = (num_heads, num_kv_heads, head_dim)
+    if launches is None:
+        launches = plan_paged_attention(
+            query_start_loc, seq_lens, block_table, num_tokens=num_tokens, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=k_cache.shape[1],
+        )
+    elif (launches.num_heads, launches.num_kv_heads, launches.head_dim) != shapes:
+        raise ValueError(
+            f"launches were planned for {launches.num_heads} heads over {launches.num_kv_heads} KV heads of "
+            f"size {launches.head_dim}, but q and k_cache have {num_heads}, {num_kv_heads}, {head_dim}"
+        )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
-    group = num_heads // num_kv_heads
-    if INTERPRETED:
-        for plan, seqs in _interpreter_launches(query_start_loc, seq_lens, num_kv_heads, group, head_dim):
-            launch_attention(plan, seqs, None, *batch, scale, out)
-    else:
-        capacity = block_table.shape[1] * k_cache.shape[1]
-        plan = plan_attention_gpu(q.device, num_tokens, num_seqs, num_kv_heads, group, head_dim, capacity)
-        launch_attention(plan, None, max_tiles(num_tokens, num_seqs, plan.block_q), *batch, scale, out)
+    for plan, tile_seq, tile_start in launches.launches:
+        _launch(plan, tile_seq, tile_start, *batch, scale, out)
     return out
 
 
@@ -207,11 +262,30 @@ def launch_attention(
     when None), then the merge of the KV splits; `num_tiles` as in _tile_map. Arguments are not
     checked. paged_attention picks the plans; tests call this to run every plan shape, the GPU's
     included, through the interpreter."""
+    tile_seq, tile_start = _tile_map(query_start_loc, seq_lens, seqs, plan.block_q, num_tiles)
+    batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
+    _launch(plan, tile_seq, tile_start, *batch, scale, out)
+
+
+def _launch(
+    plan: AttentionPlan,
+    tile_seq: torch.Tensor,
+    tile_start: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tile_seq, tile_start = _tile_map(query_start_loc, seq_lens, seqs, plan.block_q, num_tiles)
     num_items = tile_seq.shape[0] * num_kv_heads
+    if num_items == 0:
+        return
     capacity = block_table.shape[1] * k_cache.shape[1]
     kv_per_split = triton.cdiv(triton.cdiv(capacity, plan.num_splits), plan.block_n) * plan.block_n
     split = plan.num_splits > 1
@@ -221,10 +295,12 @@ def launch_attention(
         split_strides = (target.stride(0), lse.stride(0), lse.stride(1))
     else:
         target, lse, split_strides = out, out, (0, 0, 0)
+    device = q.device
+    interp = interpreted(device)
     # The interpreter multiplies in numpy, which has no bfloat16; float32 dots on a GPU stay IEEE.
-    dot_dtype = tl.float32 if INTERPRETED else _TL_DTYPES[q.dtype]
+    dot_dtype = tl.float32 if interp else _TL_DTYPES[q.dtype]
     with launch_guard():
-        _paged_attention_kernel[(triton.cdiv(num_items, plan.items), plan.num_splits)](
+        _paged_attention_kernel.on(device)[(triton.cdiv(num_items, plan.items), plan.num_splits)](
             q, k_cache, v_cache, target, lse,
             block_table, seq_lens, query_start_loc, tile_seq, tile_start,
             scale * LOG2E, num_items, kv_per_split,
@@ -238,35 +314,36 @@ def launch_attention(
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         )
         if split:
-            _merge_splits_kernel[(num_tokens * num_heads,)](
+            _merge_splits_kernel.on(device)[(num_tokens * num_heads,)](
                 target, lse, out, num_heads,
                 target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1),
-                NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim),
+                NUM_SPLITS=plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=next_power_of_2(head_dim),
             )
 
 
 def _interpreter_launches(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, group: int, head_dim: int
-) -> list[tuple[AttentionPlan, torch.Tensor | None]]:
+) -> list[tuple[AttentionPlan, np.ndarray | None]]:
     """The interpreter's launches (plan, bool mask of their sequences or None for all), planned from
-    the batch's lengths, read on the host (free there).
+    the batch's lengths, read on the host with numpy (torch's small CPU ops cost 10-20 us each here).
 
     One launch when one program and one key step cover the whole batch: the launch's fixed cost
     (about 220 interpreter ops, 10 ms here) then dominates. Otherwise decode sequences and the
     others get a launch each, since one tile shape would waste most of its rows on one of them.
     """
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    qsl, lens = _host(query_start_loc), _host(seq_lens)
+    q_lens = qsl[1:] - qsl[:-1]
 
-    def plan_for(seqs: torch.Tensor) -> tuple[AttentionPlan, bool]:
+    def plan_for(seqs: np.ndarray) -> tuple[AttentionPlan, bool]:
         num_items = int(seqs.sum()) * num_kv_heads
-        max_q_len, max_kv_len = int(q_lens[seqs].max()), int(seq_lens[seqs].max())
+        max_q_len, max_kv_len = int(q_lens[seqs].max()), int(lens[seqs].max())
         plan = plan_attention_interpreted(num_items, max_q_len, max_kv_len, group, head_dim)
         return plan, num_items <= plan.items and max_q_len <= plan.block_q and max_kv_len <= plan.block_n
 
     decode, longer = q_lens == 1, q_lens > 1
     plan, one_step = plan_for(q_lens > 0)
-    if one_step or not bool(decode.any()) or not bool(longer.any()):
+    if one_step or not decode.any() or not longer.any():
         return [(plan, None)]
     return [(plan_for(decode)[0], decode), (plan_for(longer)[0], longer)]
 
@@ -274,32 +351,49 @@ def _interpreter_launches(
 def _tile_map(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    seqs: torch.Tensor | None,
+    seqs: torch.Tensor | np.ndarray | None,
     block_q: int,
     num_tiles: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence and first new-token index (into q) of each tile of `block_q` new tokens.
+    """Sequence and first new-token index (into q) of each tile of `block_q` new tokens (int64, on
+    the lengths' device).
 
     Only sequences in the bool mask `seqs` (all when None) get tiles. `num_tiles` None counts them on
     the host (interpreter) and orders them by the number of keys they see, most first, so that the
     items sharing a program, which all walk to the program's longest key range, see about as many.
-    On a GPU the caller passes a bound from the shapes alone, so no device sync is needed, and the
-    tiles past the last start at their sequence's end and do nothing.
+    On a GPU the caller passes a bound from the shapes alone, so no device sync is needed (and a
+    CUDA graph can capture it), and the tiles past the last start at their sequence's end and do
+    nothing.
     """
+    if num_tiles is None:
+        qsl, lens = _host(query_start_loc), _host(seq_lens)
+        first, q_end = qsl[:-1], qsl[1:]
+        tiles = (q_end - first + block_q - 1) // block_q
+        if seqs is not None:
+            tiles = np.where(_host(seqs), tiles, 0)
+        seq = np.repeat(np.arange(tiles.shape[0]), tiles)
+        start = first[seq] + (np.arange(seq.shape[0]) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_q
+        keys = lens[seq] - q_end[seq] + np.minimum(start + block_q, q_end[seq])
+        order = np.argsort(-keys, kind="stable")
+        device = seq_lens.device
+        return torch.from_numpy(seq[order]).to(device), torch.from_numpy(start[order]).to(device)
     starts = query_start_loc[:-1].long()
     tiles = (query_start_loc[1:] - starts + block_q - 1) // block_q
     if seqs is not None:
-        tiles = torch.where(seqs, tiles, 0)
+        tiles = torch.where(torch.as_tensor(seqs, device=tiles.device), tiles, 0)
     ends = tiles.cumsum(0)
-    tile = torch.arange(int(ends[-1]) if num_tiles is None else num_tiles, device=ends.device)
+    tile = torch.arange(num_tiles, device=ends.device)
     seq = torch.searchsorted(ends, tile, right=True).clamp_(max=ends.shape[0] - 1)
     start = starts[seq] + (tile - ends[seq] + tiles[seq]) * block_q
-    if num_tiles is None:
-        q_end = query_start_loc[1:][seq]
-        keys = seq_lens[seq] - q_end + torch.minimum(start + block_q, q_end)
-        order = torch.argsort(keys, descending=True, stable=True)
-        seq, start = seq[order], start[order]
     return seq, start
+
+
+def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """An index tensor's values as an int64 (or bool) numpy array; free for a CPU tensor."""
+    if isinstance(t, np.ndarray):
+        return t
+    array = t.cpu().numpy()
+    return array if array.dtype == np.bool_ else array.astype(np.int64, copy=False)
 
 
 def _check_attention_args(

@@ -201,7 +201,7 @@ class AsyncEngine:
             handle = self._handles.get(request.request_id)
             finished = request.status is Status.FINISHED
             if handle is not None and handle.seq is not None and request.error is None:
-                deltas = self.core.stream_deltas(handle.seq, handle.sent, finished)
+                deltas = self.core.stream_deltas(request, handle.seq, handle.sent, finished)
                 handle.sent += len(deltas)
                 if deltas:
                     self._post(handle, deltas)

@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from radixkv.engine import Engine
 
+ENGINE_BENCH_CASES = ("decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512")
+"""The cases of `radixkv bench engine` (radixkv.tools.bench_engine.CASES), named here so that
+parsing the command line does not load torch."""
+
 
 def _simulate(args: argparse.Namespace) -> int:
     from radixkv.tools import simulate
@@ -23,14 +27,28 @@ def _replay(args: argparse.Namespace) -> int:
     return replay.run(args)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.suite == "tp":
-        from radixkv.tools import bench_tp
-
-        return bench_tp.run(args)
+def _bench_kernels(args: argparse.Namespace) -> int:
     from radixkv.tools import bench_kernels
 
     return bench_kernels.run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from radixkv.server import launch
+
+    return launch.run(args)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_engine
+
+    return bench_engine.run(args)
+
+
+def _bench_tp(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_tp
+
+    return bench_tp.run(args)
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -67,6 +85,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixkv.server import launch
     from radixkv.tools import bench_tp, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
@@ -83,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_arguments(rep)
     rep.set_defaults(func=_replay)
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    launch.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
     chat = commands.add_parser("chat", help="chat with a model in the terminal")
     chat.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
     chat.add_argument("--system", default=None, help="system prompt")
@@ -98,9 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     kernels = suites.add_parser("kernels", help="Triton paged attention against torch")
     kernels.add_argument("--json", action="store_true", help="print only a JSON object")
     kernels.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per case and side")
+    kernels.set_defaults(func=_bench_kernels)
+    engine = suites.add_parser("engine", help="host time per engine step, the model's forward stubbed")
+    engine.add_argument("--json", action="store_true", help="print only a JSON object")
+    engine.add_argument("--steps", type=_positive_int, default=10, help="timed steps per round (3 rounds)")
+    engine.add_argument(
+        "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
+    )
+    engine.set_defaults(func=_bench_engine)
     tp = suites.add_parser("tp", help="step time with 1 rank and with N (tensor parallelism)")
     bench_tp.add_arguments(tp)
-    bench.set_defaults(func=_bench)
+    tp.set_defaults(func=_bench_tp)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")

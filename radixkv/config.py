@@ -16,7 +16,10 @@ class EngineConfig:
 
     `model` is a preset name (`tiny-llama`, the default, needs no download) or a local Hugging
     Face folder. `kv_cache_memory` is bytes or a size like `"512MiB"`; None takes a share of the
-    free memory of the device (`default_kv_cache_memory`). `max_model_len` None takes the
+    free memory of the device (`radixkv.model.memory_profile.kv_cache_budget`: on CUDA what a
+    profiling forward at `max_num_batched_tokens` leaves of `gpu_memory_utilization`). `dtype`
+    `"auto"` is the checkpoint's on CUDA (bfloat16 when it records none) and float32 on the CPU.
+    `enforce_eager` turns off CUDA graphs for decode steps. `max_model_len` None takes the
     model's. `max_num_batched_tokens` is the per-step token budget: a longer prompt is prefilled
     in chunks. `scheduling` orders the waiting queue: `lpm` (longest cached prefix first, with
     aging so nothing starves) or `fcfs`. `device` None picks CUDA when present.
@@ -25,7 +28,7 @@ class EngineConfig:
     """
 
     model: str = "tiny-llama"
-    dtype: str = "float32"
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     max_model_len: int | None = None
@@ -36,14 +39,18 @@ class EngineConfig:
     scheduling: str = "lpm"
     seed: int = 0
     device: str | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:

@@ -14,6 +14,7 @@ Token-id conversations (no tokenizer, or ids given) are plain concatenation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 _REPLY = "\x00radixkv-reply-{}\x00"
@@ -64,18 +65,26 @@ class Conversation:
         self._pending = None
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        shown = list(messages)
-        reply_no = 0
-        for i, m in enumerate(shown):
-            if m["role"] == "assistant":
-                shown[i] = {"role": "assistant", "content": _REPLY.format(reply_no)}
-                reply_no += 1
-        text = self.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
-        ids: list[int] = []
-        for k, reply in enumerate(self._replies):
-            head, text = text.split(_REPLY.format(k), 1)
-            ids += self._encode(head) + reply
-        return ids + self._encode(text)
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        return render_chat(self.tokenizer, messages, dict(zip(assistant, self._replies, strict=True)))
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, str]], reply_ids: Mapping[int, list[int]]
+) -> list[int]:
+    """The prompt ids of `messages` through the chat template, with the generation prompt; the
+    message at each index of `reply_ids` stands as those exact ids, in place of its tokenized text."""
+    shown = [
+        {"role": m["role"], "content": _REPLY.format(i)} if i in reply_ids else m
+        for i, m in enumerate(messages)
+    ]
+    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    for i in sorted(reply_ids):
+        head, text = text.split(_REPLY.format(i), 1)
+        ids += _encode(tokenizer, head) + reply_ids[i]
+    return ids + _encode(tokenizer, text)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) if text else []

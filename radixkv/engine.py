@@ -65,7 +65,7 @@ class Engine(EngineCore):
                     if request.error is not None:
                         raise request.error
                     finished = request.status is Status.FINISHED
-                    deltas = self.stream_deltas(seq, sent, finished)
+                    deltas = self.stream_deltas(request, seq, sent, finished)
                 sent += len(deltas)
                 yield from deltas
                 if finished:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.errors import RequestError
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
+from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
 from radixkv.model.sampler import make_generator
@@ -86,16 +86,23 @@ class EngineCore:
             self.max_model_len = config.max_model_len
         m = self.model
         per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
-        budget = config.kv_cache_memory or default_kv_cache_memory(m.device)
+        profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
+        budget = config.kv_cache_memory or profile(
+            m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
+        )
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
         self.kv = KVCacheManager(self.pool, cache)
         self.runner: ModelRunner | ParallelRunner
-        if parallel is not None:
+        if parallel is not None:  # CUDA graphs stay off: a captured step would hold the all-reduces
             parallel.allocate(self.pool.num_blocks, config.block_size)
             self.runner = parallel
         else:
-            self.runner = ModelRunner(m, self.pool.num_blocks, config.block_size)
+            graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
+            self.runner = ModelRunner(
+                m, self.pool.num_blocks, config.block_size, cuda_graph_max_seqs=graph_seqs
+            )
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -297,9 +304,10 @@ class EngineCore:
             self.abort(request_id)
         self._requests.pop(request_id, None)
 
-    def stream_deltas(self, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
-        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the last carries the
-        finish reason when `finished`. Call under the step lock, or from the stepping thread."""
+    def stream_deltas(self, request: Request, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
+        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the first of all carries the
+        request's cached prompt tokens, the last the finish reason when `finished`. Call under the
+        step lock, or from the stepping thread."""
         out = seq.output_ids
         pieces = seq.detok.pieces if seq.detok is not None else None
         deltas = []
@@ -307,6 +315,8 @@ class EngineCore:
             record = [seq.token_logprobs[i]] if seq.token_logprobs is not None else None
             reason = seq.finish_reason if finished and i == len(out) - 1 else None
             deltas.append(StreamDelta(out[i], pieces[i] if pieces is not None else "", reason, record))
+        if start == 0 and deltas:  # the prefix match is known from admission on
+            deltas[0].num_cached_tokens = request.num_cached_tokens or 0
         return deltas
 
     def decode(self, ids: list[int]) -> str:
@@ -471,12 +481,3 @@ class EngineCore:
                 for gap in request.inter_token_s:
                     self.itl.observe(gap)
 
-
-def default_kv_cache_memory(device: torch.device) -> int:
-    """Bytes for the KV cache when none are given: 80% of the GPU's free memory once the model
-    is loaded (the rest for activations), or on a CPU a fifth of the available RAM, at most 1 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available // 5, 1 << 30)

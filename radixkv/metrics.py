@@ -93,3 +93,8 @@ def prometheus_text(metrics: dict) -> str:
             f"{name}_count {value['count']}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def describe(key: str) -> tuple[str, str]:
+    """The Prometheus type ("counter", "gauge" or "histogram") and help text of a `metrics()` key."""
+    return _HELP[key]

@@ -73,3 +73,4 @@ class StreamDelta:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = field(default=None)  # this token's record, when asked for
+    num_cached_tokens: int | None = None  # on a request's first delta: prompt tokens the prefix cache served

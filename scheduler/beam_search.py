@@ -7,6 +7,9 @@ take the top 2k continuations over all running beams; the best k that did not ju
 those among the top k that ended (EOS, or the length limit) compete for the k finished slots,
 scored `sum(logprobs) / generated_length ** length_penalty`; then the early-stopping heuristic.
 
+The score tensors live on the device of the log-probabilities (made there at the first step),
+and every tensor a step makes is made there, so a search over CUDA logits never meets a CPU tensor.
+
 This class only scores. The engine owns the beams' sequences: a beam that two continuations
 choose is forked (its blocks shared), a beam no continuation chooses is released at once.
 """
@@ -36,12 +39,9 @@ class BeamSearch:
         self.k = params.beam_width
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.keep = max(2, 1 + len(self.eos)) * self.k  # continuations looked at per step
-        # Before the first step every beam is the prompt; only the first may continue, so that
-        # the k beams do not all pick the same tokens.
-        self.running_scores = torch.tensor([0.0] + [_MASK] * (self.k - 1))
-        self.finished_scores = torch.full((1, self.k), _MASK)
         self.finished_tokens: list[list[int]] = [[] for _ in range(self.k)]
-        self.is_finished = torch.zeros((1, self.k), dtype=torch.bool)
+        # The score tensors are made at the first step, on the log-probabilities' device.
+        self.running_scores = self.finished_scores = self.is_finished = torch.empty(0, device="meta")
         self.improvable = True
         self.generated = 0
         self.done = False
@@ -51,23 +51,28 @@ class BeamSearch:
         one row, the prompt's, at the first step) and their generated tokens so far; returns the
         next running beams, best first (empty when the search is over)."""
         k, vocab = self.k, logprobs.shape[-1]
+        device = logprobs.device
         if self.generated == 0:
+            # Every beam is the prompt; only the first may continue, so that the k beams do not
+            # all pick the same tokens.
+            self.running_scores = torch.tensor([0.0] + [_MASK] * (k - 1), device=device)
+            self.finished_scores = torch.full((1, k), _MASK, device=device)
+            self.is_finished = torch.zeros((1, k), dtype=torch.bool, device=device)
             logprobs, outputs = logprobs.expand(k, vocab), outputs * k
         scores = (logprobs.float() + self.running_scores[:, None]).reshape(1, -1)
         top_scores, top_index = torch.topk(scores, k=self.keep)
         parents = (top_index // vocab)[0].tolist()
         tokens = (top_index % vocab)[0].tolist()
         length = self.generated + 1
-        ends = torch.tensor(
-            [[t in self.eos or length >= self.max_new_tokens for t in tokens]], dtype=torch.bool
-        )
+        ends = [[t in self.eos or length >= self.max_new_tokens for t in tokens]]
+        ends = torch.tensor(ends, dtype=torch.bool, device=device)
 
         running = top_scores + ends.to(torch.float32) * _MASK
         next_index = torch.topk(running, k=k)[1]
         self.running_scores = running[0, next_index[0]]
         survivors = [Continuation(parents[i], tokens[i]) for i in next_index[0].tolist()]
 
-        top_k_mask = torch.arange(self.keep) < k
+        top_k_mask = torch.arange(self.keep, device=device) < k
         just_finished = ends & top_k_mask[None, :]
         candidate = top_scores / (length**self.params.length_penalty)
         full = bool(self.is_finished.all()) and self.params.early_stopping is True

@@ -125,7 +125,9 @@ class Scheduler:
             batch += self._scheduled(request, plan)
             budget -= sum(n for _, n in plan)
             i += 1
-        if not preempted:
+        # Order the waiting queue only when admission can take something (a step with every slot
+        # taken then costs the same however many wait; radixkv bench engine, waiting_*).
+        if not preempted and budget > 0 and len(self.waiting) and self.num_running_seqs < self.max_num_seqs:
             budget = self._admit(batch, budget)
         self.waiting.age()
         return batch

@@ -19,10 +19,16 @@ LPM_MAX_WAITING = 256
 
 
 class WaitingQueue:
+    """Waiting requests and their order. Ordering costs a prefix lookup per request, so the
+    scheduler asks for it (`ordered`) only when admission can take something; aging is O(1) a step
+    (a step counter; a request's `waited_steps` is brought up to date when it leaves the queue)."""
+
     def __init__(self, policy: str, cached_prefix_len: Callable[[list[int]], int] | None) -> None:
         self.policy = policy if cached_prefix_len is not None else "fcfs"
         self._cached_prefix_len = cached_prefix_len
         self._requests: list[Request] = []
+        self._step = 0
+        self._added_at: dict[Request, int] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -35,9 +41,15 @@ class WaitingQueue:
 
     def add(self, request: Request) -> None:
         self._requests.append(request)
+        self._added_at[request] = self._step
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
+        request.waited_steps = self._waited(request)
+        del self._added_at[request]
+
+    def _waited(self, request: Request) -> int:
+        return request.waited_steps + self._step - self._added_at[request]
 
     def ordered(self) -> list[Request]:
         """The waiting requests, the next to admit first. A preempted request keeps its arrival
@@ -48,10 +60,10 @@ class WaitingQueue:
 
         def priority(r: Request) -> tuple[int, float]:
             tokens = r.seqs[0].tokens
-            return (-(prefix(tokens) + r.waited_steps * AGING_TOKENS_PER_STEP), r.arrival_time)
+            return (-(prefix(tokens) + self._waited(r) * AGING_TOKENS_PER_STEP), r.arrival_time)
 
         return sorted(self._requests, key=priority)
 
     def age(self) -> None:
-        for r in self._requests:
-            r.waited_steps += 1
+        """One more step waited by every request in the queue."""
+        self._step += 1

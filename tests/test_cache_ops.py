@@ -111,7 +111,7 @@ def test_wrong_copy_blocks_arguments_raise_value_error_naming_them() -> None:
 
 def test_small_tiles_cover_every_row_and_column(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles smaller than the work in both directions, as on a GPU: partial tiles stay masked."""
-    monkeypatch.setattr(cache_ops, "plan_copy", lambda rows, row_len: CopyPlan(rows=4, cols=32))
+    monkeypatch.setattr(cache_ops, "plan_copy", lambda rows, row_len, interpreted: CopyPlan(rows=4, cols=32))
     k_cache, v_cache = make_caches(8, 4, 3, 40, torch.float16)
     generator = torch.Generator().manual_seed(2)
     slots = torch.randperm(32, generator=generator)[:9].to(DEVICE)

@@ -159,6 +159,19 @@ class Harness:
             assert self.reads_back(tokens[: table.num_tokens], table.blocks), "sequence KV corrupted"
         for seq, blocks in self.cached_paths():
             assert self.reads_back(seq, blocks), "cached KV corrupted"
+        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
+
+    def slot_usage_recount(self) -> tuple[int, int]:
+        """Slots holding KV, block by block from scratch: a cached block holds its node's tokens, a
+        live table's block its positions; a block held several times counts once, at its fullest."""
+        filled: dict[int, int] = {}
+        for node in self.cache.nodes():
+            for i, b in enumerate(node.blocks):
+                filled[b] = min(self.B, len(node.tokens) - i * self.B)
+        for table, _ in self.live:
+            for i, b in enumerate(table.blocks):
+                filled[b] = max(filled.get(b, 0), min(self.B, table.num_tokens - i * self.B))
+        return sum(filled.values()), (self.kv.pool.num_blocks - self.kv.pool.num_free) * self.B
 
     def reads_back(self, tokens: list[int], blocks: list[int]) -> bool:
         pos = np.arange(len(tokens))

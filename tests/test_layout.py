@@ -69,6 +69,7 @@ def test_help_simulate_and_workload_load_no_heavy_module(tmp_path):
         for argv in (
             ["--help"],
             ["bench", "--help"],
+            ["serve", "--help"],
             ["workload", "gen", "chat", "--help"],
             ["simulate", "trace.jsonl", "--hash-block", "4", "--block-size", "4", "--capacity-blocks", "8"],
         ):

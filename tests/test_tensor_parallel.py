@@ -91,6 +91,16 @@ def test_logits_match_one_rank_for_prefill_extend_and_decode(llama) -> None:
     assert two.pool.num_free == one.pool.num_free == one.pool.num_blocks
 
 
+def test_every_rank_profiles_its_kv_budget_in_step(llama) -> None:
+    """The budget protocol (on CUDA a profiling forward on every rank); on the CPU each rank's
+    share of free RAM, and the engine steps on in step afterwards."""
+    one, two = llama
+    limits = {"block_size": BLOCK, "max_num_batched_tokens": 64, "max_model_len": 128}
+    budget = two.runner.kv_cache_budget(two.model, gpu_memory_utilization=0.9, **limits)
+    assert 0 < budget <= 1 << 30
+    assert two.generate([[9, 8, 7]], GREEDY)[0].token_ids == one.generate([[9, 8, 7]], GREEDY)[0].token_ids
+
+
 def test_a_step_every_rank_refuses_fails_alone_and_the_ranks_stay_in_step(llama) -> None:
     one, two = llama
     with pytest.raises(ValueError, match="block ids must be in"):
@@ -236,6 +246,7 @@ def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference
         ["replay", "workloads/shared_prefix_small.jsonl"],
         ["chat"],
         ["bench", "tp", "--device", "cpu"],
+        ["serve", "--port", "0"],
     ],
 )
 def test_every_engine_command_takes_the_size_to_the_engine(argv, capsys) -> None:

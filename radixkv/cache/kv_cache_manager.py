@@ -79,6 +79,13 @@ class KVCacheManager:
         allocates the blocks they need and copies a shared block before it is written. All of
         it, or OutOfBlocks with nothing changed, so a request's sequences grow together."""
         B = self.block_size
+        if len(plan) == 1:  # the usual decode: one sequence, its slots in its own last block
+            table, n = plan[0]
+            start = table.num_tokens
+            own_block = start % B and self.pool.refcount(table.blocks[start // B]) == 1
+            if own_block and start + n <= len(table.blocks) * B:
+                table.num_tokens = start + n
+                return
         self._ensure_free(self.blocks_needed(plan))
         for table, n in plan:
             start = table.num_tokens
@@ -178,20 +185,35 @@ class KVCacheManager:
             self.pool.decref(b)
 
     def slot_usage(self, tables: Iterable[BlockTable]) -> tuple[int, int]:
-        """(token slots holding KV, token slots in blocks in use). A cached block holds its
-        node's tokens; a sequence's own block holds its positions up to the sequence's length;
-        a block several holders share counts once, at its fullest."""
+        """(token slots holding KV, token slots in blocks in use), with no copies pending. A block
+        several holders share counts once, at its fullest.
+
+        O(tables), whatever the number of blocks: every block in use is full but the last block of
+        a table or of a cached leaf. The cache keeps its partly filled leaf blocks and their empty
+        slots up to date (`RadixCache.partial_blocks`); a table's partly filled last block is held
+        by other tables as theirs too (forks), or also by the cache, which holds it partly (a
+        leaf's) or fully (a match that ended inside a cached block): copy-on-write guarantees no
+        one has written past what the block's fullest holder holds. A reference beyond the tables'
+        is the cache's (no copies pending).
+        """
         B = self.block_size
-        filled: dict[int, int] = {}
-        if self.cache is not None:
-            for node in self.cache.nodes():
-                if node.blocks:
-                    filled.update(dict.fromkeys(node.blocks[:-1], B))
-                    filled[node.blocks[-1]] = len(node.tokens) - (len(node.blocks) - 1) * B
+        cache = self.cache
+        partial = cache.partial_blocks if cache is not None else {}
+        empty = cache.partial_empty_slots if cache is not None else 0
+        fill: dict[int, int] = {}
+        holders: dict[int, int] = {}
         for table in tables:
-            for i, b in enumerate(table.blocks):
-                filled[b] = max(filled.get(b, 0), min(B, table.num_tokens - i * B))
-        return sum(filled.values()), (self.pool.num_blocks - self.pool.num_free) * B
+            if table.num_tokens % B:
+                last = table.blocks[-1]
+                fill[last] = max(fill.get(last, 0), table.num_tokens % B)
+                holders[last] = holders.get(last, 0) + 1
+        for block, filled in fill.items():
+            if block in partial:  # also a cached leaf's last block: the fuller of the two counts
+                empty += partial[block] - max(filled, partial[block])
+            elif self.pool.refcount(block) == holders[block]:  # the tables' alone
+                empty += B - filled
+        slots = (self.pool.num_blocks - self.pool.num_free) * B
+        return slots - empty, slots
 
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
         """Every block is free or referenced, never both; each refcount equals the references

@@ -114,6 +114,11 @@ class RadixCache:
         self.protected_size = 0  # blocks of locked nodes
         self.num_evicted = 0
         self._node_of: dict[int, RadixNode] = {}  # cached block -> the node holding it
+        # The last block of each leaf that ends inside it, with its token count, and the empty
+        # slots of all of them: every other cached block is full, so a usage meter needs only
+        # these (KVCacheManager.slot_usage).
+        self.partial_blocks: dict[int, int] = {}
+        self.partial_empty_slots = 0
 
     # ----------------------------------------------------------------- lookups
 
@@ -215,6 +220,7 @@ class RadixCache:
                 del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
+            self._forget_partial(leaf)  # its last block is among those taken
             if keep:
                 del leaf.blocks[keep:]
                 del leaf.tokens[keep * self.block_size :]
@@ -254,6 +260,7 @@ class RadixCache:
         B = self.block_size
         evictable = protected = 0
         leaves = set()
+        partial: dict[int, int] = {}
         seen: set[int] = set()
         for node in self.nodes():
             if node is self.root:
@@ -272,6 +279,8 @@ class RadixCache:
                 assert self._node_of.get(b) is node, f"block {b} is not mapped to {node}"
                 assert self.pool.refcount(b) >= 1, f"cached block {b} is free"
                 seen.add(b)
+            if len(node.tokens) % B:
+                partial[node.blocks[-1]] = len(node.tokens) % B
             if node.lock_ref:
                 protected += len(node.blocks)
             else:
@@ -285,6 +294,8 @@ class RadixCache:
             f"sizes {self.evictable_size}/{self.protected_size}, recount {evictable}/{protected}"
         )
         assert {n.id for n in self._leaves} == leaves, "evictable leaf set is stale"
+        assert partial == self.partial_blocks, "partly filled cached blocks are miscounted"
+        assert self.partial_empty_slots == sum(B - f for f in partial.values()), "empty slots miscounted"
         keys = [self._leaf_key(n) for n in self._leaves]
         assert keys == sorted(keys), "evictable leaves are out of order"
 
@@ -379,6 +390,7 @@ class RadixCache:
             self._node_of[b] = node
         self.evictable_size += len(blocks)
         self._leaves.add(node)
+        self._note_partial(node)
 
     def _extend_leaf(self, leaf: RadixNode, tokens: list[int], blocks: list[int]) -> None:
         """`leaf` ends inside its last block; `blocks[0]` holds that block's tokens and more."""
@@ -389,6 +401,7 @@ class RadixCache:
             return  # a hash collision, as in _add_leaf
         self._leaves.remove(leaf)
         self._unlink(leaf)
+        self._forget_partial(leaf)
         if blocks[0] != leaf.blocks[-1]:
             self.pool.incref(blocks[0])
             self.pool.decref(leaf.blocks[-1])
@@ -403,6 +416,18 @@ class RadixCache:
         self.evictable_size += len(blocks) - 1
         self._link(leaf.parent, leaf, key)
         self._leaves.add(leaf)
+        self._note_partial(leaf)
+
+    def _note_partial(self, leaf: RadixNode) -> None:
+        filled = len(leaf.tokens) % self.block_size
+        if filled:
+            self.partial_blocks[leaf.blocks[-1]] = filled
+            self.partial_empty_slots += self.block_size - filled
+
+    def _forget_partial(self, leaf: RadixNode) -> None:
+        filled = self.partial_blocks.pop(leaf.blocks[-1], None) if leaf.blocks else None
+        if filled is not None:
+            self.partial_empty_slots -= self.block_size - filled
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cuts `node`'s edge after `at` tokens (a block multiple) and returns the new upper
@@ -423,6 +448,7 @@ class RadixCache:
         return mid
 
     def _remove_leaf(self, leaf: RadixNode) -> None:
+        self._forget_partial(leaf)
         parent = leaf.parent
         self._unlink(leaf)
         if not parent.children and parent is not self.root and parent.lock_ref == 0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from radixkv.kernels import paged_attention, store_kv
+from radixkv.kernels import AttentionLaunches, paged_attention, store_kv
 
 PAGED_ATTENTION = "radixkv_paged"
 
@@ -26,7 +26,8 @@ class PagedBatch:
     """Everything attention needs for one step, shared by all layers (device tensors).
 
     `slot_mapping[t]` is `block * block_size + offset` of new token t; `block_table`, `seq_lens`
-    and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`.
+    and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`; `launches` is
+    its plan for this batch, made once per step (`plan_paged_attention`) rather than per layer.
     """
 
     k_caches: list[torch.Tensor]
@@ -35,6 +36,7 @@ class PagedBatch:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    launches: AttentionLaunches
 
 
 def paged_attention_forward(
@@ -75,6 +77,7 @@ def paged_attention_forward(
         paged_batch.seq_lens,
         paged_batch.query_start_loc,
         scale=scaling,
+        launches=paged_batch.launches,
     )
     return out.unsqueeze(0), None
 

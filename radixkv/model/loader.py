@@ -115,8 +115,10 @@ def load_model(
     name = str(name_or_path)
     if name in PRESETS:
         tokenizer = load_tokenizer(name)
+        config = PRESETS[name]()
         return build_random_model(
-            PRESETS[name](), dtype=dtype, device=device, seed=seed, tokenizer=tokenizer, name=name
+            config, dtype=auto_dtype(dtype, config, device), device=device, seed=seed, tokenizer=tokenizer,
+            name=name,
         )
     folder = Path(name_or_path)
     if not folder.is_dir():
@@ -134,7 +136,7 @@ def load_model(
     _check_config(config, config_path)
     if not any(folder.glob("*.safetensors")):
         raise ModelLoadError(f"no *.safetensors weights in {folder}")
-    torch_dtype = _resolve_dtype(dtype)
+    torch_dtype = _resolve_dtype(auto_dtype(dtype, config, device))
     model = model_class.from_pretrained(folder, config=config, dtype=torch_dtype, local_files_only=True)
     return _finish(model, load_tokenizer(folder), name, device)
 
@@ -220,6 +222,24 @@ def _check_config(config: PretrainedConfig, where: object) -> None:
             f"num_attention_heads ({config.num_attention_heads}) in {where} is not a multiple of "
             f"num_key_value_heads ({num_kv_heads})"
         )
+
+
+def auto_dtype(
+    dtype: torch.dtype | str, config: PretrainedConfig, device: torch.device | str
+) -> torch.dtype | str:
+    """`dtype`, or for `"auto"`: on CUDA the checkpoint's floating dtype (`config.dtype`; bfloat16
+    when it records none, float16 where bfloat16 is unsupported); on the CPU float32, since CPU
+    half-precision matmuls are slow and the interpreter computes in float32 anyway."""
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    recorded = getattr(config, "dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    if isinstance(recorded, torch.dtype) and recorded in (torch.float16, torch.bfloat16, torch.float32):
+        return recorded
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

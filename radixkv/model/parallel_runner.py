@@ -36,18 +36,22 @@ import pickle
 import signal
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from radixkv.config import EngineConfig
 from radixkv.errors import TensorParallelError
-from radixkv.model.loader import LoadedModel, load_model
+from radixkv.model.loader import LoadedModel
+from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.runner import ModelRunner, SequenceChunk
-from radixkv.model.tensor_parallel import plan_shards, shard_model
+from radixkv.model.tensor_parallel import load_whole, plan_shards, shard_model
 from radixkv.model.tp_group import (
     COLLECTIVE_TIMEOUT,
     Communicator,
@@ -57,7 +61,7 @@ from radixkv.model.tp_group import (
     open_store,
     rank_device,
 )
-from radixkv.model.tp_worker import Allocate, Step, worker_main
+from radixkv.model.tp_worker import Allocate, Profile, Step, worker_main
 
 STARTUP_TIMEOUT_S = 600.0  # a worker loads the whole checkpoint before it answers
 ERROR_GRACE_S = 5.0  # how long workers get to report the error rank 0 hit before it is fatal
@@ -78,10 +82,10 @@ class ParallelRunner:
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
         check_devices(config.device, size)
-        full = load_model(config.model, dtype=config.dtype, device="cpu", seed=config.seed)
-        specs = plan_shards(full, size)  # every size check, before any process starts
         self.size = size
         self.device = rank_device(config.device, 0)
+        full = load_whole(config, self.device)
+        specs = plan_shards(full, size)  # every size check, before any process starts
         self.local: ModelRunner | None = None
         self._copies: list[tuple[list[int], list[int]]] = []
         self._dead: TensorParallelError | None = None
@@ -128,20 +132,21 @@ class ParallelRunner:
     def block_size(self) -> int:
         return self._runner().block_size
 
+    def kv_cache_budget(self, loaded: LoadedModel, **limits: Any) -> int:
+        """`memory_profile.kv_cache_budget` of every rank's shard, measured on all ranks at once
+        (on CUDA its profiling forward all-reduces like any step), and the smallest: every rank
+        holds the same blocks. `loaded` is rank 0's shard; `limits` are the function's keywords."""
+        own = partial(kv_cache_budget, loaded, **limits)
+        return min(self._on_every_rank(Profile(limits), own, "profile memory"))
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """Builds every rank's KV cache (`num_blocks` blocks over the rank's heads) and waits
         until every worker is ready. Raises RuntimeError with a worker's traceback if it failed."""
-        try:
-            self._send(pickle.dumps(Allocate(num_blocks, block_size)))
+
+        def build() -> None:
             self.local = ModelRunner(self.model, num_blocks, block_size)
-            failed = [(rank, text) for rank, text in self._collect("start", STARTUP_TIMEOUT_S) if text]
-        except BaseException:
-            self.close()
-            raise
-        if failed:
-            self.close()
-            rank, text = failed[0]
-            raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{text}")
+
+        self._on_every_rank(Allocate(num_blocks, block_size), build, "build its KV cache")
 
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """`ModelRunner.forward` over all ranks: float32 logits `[rows, vocab]` from rank 0."""
@@ -181,6 +186,24 @@ class ParallelRunner:
 
     # ---------------------------------------------------------------- internals
 
+    def _on_every_rank(self, message: Allocate | Profile, own: Callable[[], Any], what: str) -> list[Any]:
+        """Sends a start-up `message`, runs `own()` here meanwhile, and returns every rank's
+        result (rank 0's first). Any failure stops the workers: a worker's is a RuntimeError
+        with its traceback; the first answer waits for the workers to load the model."""
+        try:
+            self._send(pickle.dumps(message))
+            result = own()
+            answers = self._collect(what, STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        failed = [(rank, answer) for rank, answer in answers if isinstance(answer, str)]
+        if failed:
+            self.close()
+            rank, text = failed[0]
+            raise RuntimeError(f"tensor-parallel worker rank {rank} failed to {what}:\n{text}")
+        return [result, *(answer for _, answer in answers)]
+
     def _runner(self) -> ModelRunner:
         if self._dead is not None:
             raise TensorParallelError(str(self._dead)) from self._dead.__cause__
@@ -195,10 +218,10 @@ class ParallelRunner:
             except OSError:
                 self._fail(_death(worker))
 
-    def _collect(self, what: str, timeout: float) -> list[tuple[int, str | None]]:
-        """Every worker's answer, in rank order. A worker that dies or does not answer within
-        `timeout` seconds is fatal (`_fail`)."""
-        answers: dict[int, str | None] = {}
+    def _collect(self, what: str, timeout: float) -> list[tuple[int, Any]]:
+        """Every worker's answer, in rank order: None (done), a str (an error) or a result. A
+        worker that dies or does not answer within `timeout` seconds is fatal (`_fail`)."""
+        answers: dict[int, Any] = {}
         pending = {worker.conn: worker for worker in self._workers}
         deadline = time.monotonic() + timeout
         while pending:

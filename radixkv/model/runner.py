@@ -10,13 +10,16 @@ logits go through `lm_head`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from radixkv import kernels
+from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
+from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.loader import LoadedModel
+from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 
 
 @dataclass(slots=True)
@@ -35,15 +38,6 @@ class SequenceChunk:
     logits: Literal["last", "all", "none"] = "last"
 
 
-class StepInputs(NamedTuple):
-    """Device tensors of one step: the flattened batch as one row and the rows that get logits."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    logit_rows: torch.Tensor
-    paged_batch: PagedBatch
-
-
 def kv_block_bytes(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
@@ -55,13 +49,20 @@ def kv_block_bytes(
 class ModelRunner:
     """Owns the KV cache of one model and runs forward steps over it.
 
-    The cache is one K and one V tensor per layer, `[num_blocks, block_size, Hkv, D]` in the
-    model's dtype, allocated once and zeroed. The runner allocates no blocks: callers give block
-    tables that already cover the new tokens. Building a runner binds the model's attention to the
-    paged cache (`set_attn_implementation`); a plain transformers forward needs a copy made before.
+    The cache is one zeroed tensor `[2, num_layers, num_blocks, block_size, Hkv, D]` in the model's
+    dtype: `k_caches[l]` and `v_caches[l]` are its per-layer views in the kernels' layout, and the
+    flattened `[num_layers * num_blocks, ...]` view lets one `copy_blocks` launch copy a block in
+    every layer. The runner allocates no blocks: callers give block tables that already cover the
+    new tokens. A step's inputs come from a `PersistentBatch` (one host-to-device copy) and its
+    attention launches are planned once and shared by all layers. Building a runner binds the
+    model's attention to the paged cache (`set_attn_implementation`); a plain transformers forward
+    needs a copy made before. On CUDA, with `cuda_graph_max_seqs` > 0, decode steps of up to that
+    many sequences replay captured CUDA graphs (`radixkv.model.cuda_graphs`).
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, cuda_graph_max_seqs: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.loaded = loaded
@@ -69,11 +70,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = loaded.device
-        shape = (num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
-        layers = range(loaded.num_layers)
-        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in layers]
-        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in layers]
+        # transformers' config attributes cost microseconds each to read; read them once
+        self.num_heads = loaded.config.num_attention_heads
+        self.num_kv_heads = loaded.num_kv_heads
+        self.head_dim = loaded.head_dim
+        shape = (2, loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
+        self.k_caches = list(self.kv_cache[0].unbind(0))
+        self.v_caches = list(self.kv_cache[1].unbind(0))
+        self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
         self.model.set_attn_implementation(PAGED_ATTENTION)
+        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
@@ -82,20 +90,40 @@ class ModelRunner:
         Raises ValueError for an empty chunk, a block table too short for its tokens, a block id
         outside the cache or a sequence longer than the model's `max_model_len`.
         """
-        if not chunks:
-            raise ValueError("forward needs at least one SequenceChunk")
-        step = self._build_batch(chunks)
+        step = self.batch.prepare(chunks)
+        if self.graphs is not None and self.graphs.fits(step):
+            logits = self.graphs.run(step)
+            if logits is not None:
+                return logits
         output = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             use_cache=False,
             logits_to_keep=step.logit_rows,
-            paged_batch=step.paged_batch,
+            paged_batch=self.paged_batch(step),
         )
         return output.logits[0].float()
 
+    def paged_batch(self, step: HostBatch) -> PagedBatch:
+        """What every layer's attention reads for `step`, its launches planned once here."""
+        launches = plan_paged_attention(
+            step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size,
+        )
+        return PagedBatch(
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            slot_mapping=step.slot_mapping,
+            block_table=step.block_table,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            launches=launches,
+        )
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write).
+        """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write), in
+        one kernel launch over the flattened cache, with the ids sent to the device in one copy.
 
         The pairs are copied in parallel, so destinations must be distinct and not among the sources.
         """
@@ -105,71 +133,13 @@ class ModelRunner:
             raise ValueError(f"copy_blocks destinations must be distinct and not sources, got {src} -> {dst}")
         if not src:
             return
-        self._check_block_ids(src + dst)
-        src_t = torch.tensor(src, dtype=torch.int32, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.int32, device=self.device)
-        for k_cache, v_cache in zip(self.k_caches, self.v_caches, strict=True):
-            kernels.copy_blocks(k_cache, v_cache, src_t, dst_t)
-
-    def _build_batch(self, chunks: list[SequenceChunk]) -> StepInputs:
-        """Host-side metadata for one step, built on the CPU and moved to the device once."""
-        bs = self.block_size
-        max_len = self.loaded.max_model_len
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        seq_lens: list[int] = []
-        for i, chunk in enumerate(chunks):
-            n = len(chunk.token_ids)
-            end = chunk.start_pos + n
-            if n == 0:
-                raise ValueError(f"chunk {i} has no new tokens")
-            if len(chunk.block_table) * bs < end:
-                raise ValueError(
-                    f"chunk {i}: {len(chunk.block_table)} blocks of {bs} cannot hold its {end} positions"
-                )
-            if end > max_len:
-                raise ValueError(f"chunk {i} reaches {end} tokens, over max_model_len {max_len}")
-            row = len(token_ids)
-            if chunk.logits == "last":
-                logit_rows.append(row + n - 1)
-            elif chunk.logits == "all":
-                logit_rows.extend(range(row, row + n))
-            elif chunk.logits != "none":
-                raise ValueError(f"chunk {i}: logits must be 'last', 'all' or 'none', got {chunk.logits!r}")
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, end))
-            seq_lens.append(end)
-        max_blocks = max(len(chunk.block_table) for chunk in chunks)
-        tables = [chunk.block_table + [0] * (max_blocks - len(chunk.block_table)) for chunk in chunks]
-        self._check_block_ids([b for chunk in chunks for b in chunk.block_table])
-
-        pos = torch.tensor(positions, dtype=torch.int64)
-        block_table = torch.tensor(tables, dtype=torch.int32)
-        q_lens = torch.tensor([len(chunk.token_ids) for chunk in chunks])
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-        slot_mapping = block_table[owner, pos // bs].long() * bs + pos % bs
-        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(q_lens, 0)
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(self.device, non_blocking=True)
-
-        batch = PagedBatch(
-            k_caches=self.k_caches,
-            v_caches=self.v_caches,
-            slot_mapping=to_device(slot_mapping),
-            block_table=to_device(block_table),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_start_loc=to_device(query_start_loc),
-        )
-        return StepInputs(
-            input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64)).unsqueeze(0),
-            position_ids=to_device(pos).unsqueeze(0),
-            logit_rows=to_device(torch.tensor(logit_rows, dtype=torch.int64)),
-            paged_batch=batch,
-        )
-
-    def _check_block_ids(self, blocks: list[int]) -> None:
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+        blocks = src + dst
+        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")
+        num_layers = self.kv_cache.shape[1]
+        offsets = torch.arange(num_layers, dtype=torch.int64, device="cpu").view(1, -1, 1) * self.num_blocks
+        # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
+        ids = (torch.tensor(blocks, dtype=torch.int64, device="cpu").view(2, 1, -1) + offsets).view(2, -1)
+        ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+        k_flat, v_flat = self.kv_cache[0].flatten(0, 1), self.kv_cache[1].flatten(0, 1)
+        kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from radixkv.model.loader import LoadedModel
+from radixkv.config import EngineConfig
+from radixkv.model.loader import LoadedModel, auto_dtype, load_model
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
 Style = Literal["colwise", "rowwise"]
@@ -64,6 +65,16 @@ class ShardSpec:
             return slice(first * self.unit, (first + 1) * self.unit)
         per_rank = self.units // self.size
         return slice(rank * per_rank * self.unit, (rank + 1) * per_rank * self.unit)
+
+
+def load_whole(config: EngineConfig, device: torch.device) -> LoadedModel:
+    """The whole model in host memory, ready to be sharded and then moved to `device`: loaded on
+    the CPU, so that no device ever holds more than its shard, in the dtype the engine would give
+    it on `device` (`"auto"` resolves for `device`, not for the CPU)."""
+    loaded = load_model(config.model, dtype=config.dtype, device="cpu", seed=config.seed)
+    if config.dtype == "auto":
+        loaded.model.to(auto_dtype("auto", loaded.config, device))
+    return loaded
 
 
 def plan_shards(loaded: LoadedModel, size: int) -> list[ShardSpec]:

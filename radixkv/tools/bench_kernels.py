@@ -6,6 +6,11 @@ physical blocks shuffled: decode (32 sequences, 1 new token each, 1,024 tokens i
 For each case the kernel, then the reference, is warmed up once and timed `--repeats` times; the
 medians are reported with their ratio (Triton / reference) and the largest difference of outputs.
 On a machine without a GPU both run on the CPU, Triton through its interpreter.
+
+On a GPU it also measures decode bandwidth: 64 sequences of 4,096 tokens, head size 128, bfloat16,
+32 query heads over 8 KV heads (Llama-3-8B's attention), block size 16, one new token each. Decode
+reads every cached K and V once, so bytes read / kernel time is its bandwidth, reported against the
+device's peak (memory clock x bus width x 2, from the device properties).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from typing import NamedTuple
 import torch
 
 from radixkv.kernels.launch_plan import INTERPRETED
-from radixkv.kernels.paged_attention import paged_attention
+from radixkv.kernels.paged_attention import paged_attention, plan_paged_attention
 from radixkv.kernels.reference import paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 MAX_ABS_ERR = 1e-4
 """float32 outputs further apart than this mean a broken kernel: the command then exits with 1."""
+BF16_MAX_ABS_ERR = 3e-2
+"""The same for the bfloat16 bandwidth case (bfloat16 keeps 8 bits of mantissa)."""
 
 
 class Case(NamedTuple):
@@ -37,6 +44,20 @@ class Case(NamedTuple):
 
 
 CASES = (Case("decode", 32, 1, 1024), Case("extend", 4, 512, 2048), Case("prefill", 2, 2048, 2048))
+BANDWIDTH_CASE = Case("decode_bandwidth", 64, 1, 4096)
+BANDWIDTH_HEADS, BANDWIDTH_KV_HEADS, BANDWIDTH_HEAD_DIM = 32, 8, 128
+
+
+class BandwidthResult(NamedTuple):
+    num_seqs: int
+    seq_len: int
+    head_dim: int
+    dtype: str
+    kernel_ms: float
+    gb_per_s: float
+    peak_gb_per_s: float
+    fraction_of_peak: float
+    max_abs_err: float
 
 
 class CaseResult(NamedTuple):
@@ -67,14 +88,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"{result.case:<8} {result.num_seqs:>4} {result.new_tokens:>5} {result.seq_len:>5} "
                   f"{result.triton_ms:>10.1f} {result.reference_ms:>9.1f} {result.ratio:>6.2f} "
                   f"{result.max_abs_err:>8.1e}", flush=True)
+    bandwidth = None if INTERPRETED else _decode_bandwidth(device, args.repeats)
+    if bandwidth is not None and not args.json:
+        b = bandwidth
+        print(f"decode bandwidth, {b.num_seqs} x {b.seq_len} tokens, head size {b.head_dim}, {b.dtype}: "
+              f"{b.kernel_ms:.3f} ms, {b.gb_per_s:.0f} GB/s = {b.fraction_of_peak:.2f} of the peak "
+              f"{b.peak_gb_per_s:.0f} GB/s (max err {b.max_abs_err:.1e})", flush=True)
     if args.json:
         report = {
             "backend": backend, "dtype": "float32", "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
             "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "repeats": args.repeats,
             "cases": [r._asdict() for r in results],
+            "bandwidth": bandwidth._asdict() if bandwidth is not None else None,
         }
         print(json.dumps(report, indent=2))
     broken = [r.case for r in results if r.max_abs_err > MAX_ABS_ERR]
+    if bandwidth is not None and bandwidth.max_abs_err > BF16_MAX_ABS_ERR:
+        broken.append(BANDWIDTH_CASE.name)
     if broken:
         print(f"kernel output differs from the reference by more than {MAX_ABS_ERR} in: {', '.join(broken)}",
               file=sys.stderr)
@@ -103,6 +133,52 @@ def _run_case(case: Case, device: torch.device, repeats: int) -> CaseResult:
     return CaseResult(
         case.name, case.num_seqs, case.new_tokens, case.seq_len, kernel_ms, reference_ms,
         kernel_ms / reference_ms, (kernel_out - reference_out).abs().max().item(),
+    )
+
+
+def _decode_bandwidth(device: torch.device, repeats: int) -> BandwidthResult:
+    """The GPU decode case: bytes of K and V read per call over the mean time of back-to-back calls
+    (CUDA events around them, launches planned once so the host keeps ahead of the GPU), against
+    the device's peak bandwidth; the output checked against the reference."""
+    case, dtype = BANDWIDTH_CASE, torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    blocks_per_seq = case.seq_len // BLOCK_SIZE
+    num_blocks = case.num_seqs * blocks_per_seq
+    shape = (num_blocks, BLOCK_SIZE, BANDWIDTH_KV_HEADS, BANDWIDTH_HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(device, dtype)
+    v_cache = torch.randn(shape, generator=generator).to(device, dtype)
+    table = torch.randperm(num_blocks, generator=generator).view(case.num_seqs, blocks_per_seq)
+    q = torch.randn(case.num_seqs, BANDWIDTH_HEADS, BANDWIDTH_HEAD_DIM, generator=generator)
+    inputs = (
+        q.to(device, dtype),
+        k_cache,
+        v_cache,
+        table.to(device, torch.int32),
+        torch.full((case.num_seqs,), case.seq_len, dtype=torch.int32, device=device),
+        torch.arange(0, case.num_seqs + 1, dtype=torch.int32, device=device),
+    )
+    _, _, _, block_table, seq_lens, query_start_loc = inputs
+    launches = plan_paged_attention(
+        query_start_loc, seq_lens, block_table, num_tokens=case.num_seqs, num_heads=BANDWIDTH_HEADS,
+        num_kv_heads=BANDWIDTH_KV_HEADS, head_dim=BANDWIDTH_HEAD_DIM, block_size=BLOCK_SIZE,
+    )
+    out = paged_attention(*inputs, launches=launches)  # compiles
+    calls = max(repeats, 50)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        paged_attention(*inputs, out=out, launches=launches)
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / calls
+    error = (out.float() - paged_attention_ref(*inputs).float()).abs().max().item()
+    read = 2 * k_cache.numel() * k_cache.element_size()
+    props = torch.cuda.get_device_properties(device)
+    peak = 2 * props.memory_bus_width / 8 * props.memory_clock_rate * 1e3
+    gb_per_s = read / (ms * 1e-3) / 1e9
+    fraction = gb_per_s * 1e9 / peak
+    return BandwidthResult(
+        case.num_seqs, case.seq_len, BANDWIDTH_HEAD_DIM, "bfloat16", ms, gb_per_s, peak / 1e9, fraction, error
     )
 
 

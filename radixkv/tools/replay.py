@@ -80,14 +80,13 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
 
 def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> RunResult:
     usage = _UsageMeter()
-    engine.step_hooks.append(usage.sample)
     sessions = workload.sessions
     convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
     due = [(s.arrival / speed + s.turns[0].think / speed, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(due)
     in_flight: dict[str, tuple[int, int, float]] = {}
     records: list[TurnRecord] = []
-    bar = _progress_bar(sum(len(s.turns) for s in sessions), progress)
+    bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
     start = time.perf_counter()
     while due or in_flight:
         now = time.perf_counter() - start
@@ -99,7 +98,9 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
             continue
-        for request in engine.step():
+        touched = engine.step()
+        usage.sample(engine)
+        for request in touched:
             if not engine.is_finished(request.request_id):
                 continue
             i, k, t = in_flight.pop(request.request_id)
@@ -162,8 +163,12 @@ def ideal_hit_rate(workload: Workload, tokenizer: Any, block_size: int) -> float
 
 
 class _UsageMeter:
-    """Samples KV usage after every engine step: the peak share of blocks held, and the mean
-    share of slots in held blocks that hold a token's KV (`kv_utilization`)."""
+    """Samples KV usage after every engine step, outside the step's lock: the peak share of blocks
+    held, and the mean share of slots in held blocks that hold a token's KV (`kv_utilization`).
+    It runs between steps, after the step's tokens are stamped, so it is never counted into a
+    TTFT, and a sample is O(live tables) (`KVCacheManager.slot_usage`, kept incrementally by the
+    cache): 0.23 ms at 256 sequences over 33k blocks, where the walk over every cached block it
+    replaces took 31 ms."""
 
     def __init__(self) -> None:
         self.peak = 0.0
@@ -187,7 +192,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
 
-def _progress_bar(total: int, enabled: bool) -> Any:
+def progress_bar(total: int, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
@@ -214,12 +219,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    remote = parser.add_argument_group("against a server (instead of in process)")
+    remote.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    remote.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    remote.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default=None,
+        help="default: completions for token-id workloads, chat for text ones",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
     workload = read_workload(args.workload)
+    if args.url is not None:
+        return _run_remote(args, workload)
     base = {
         "model": args.model,
         "block_size": args.block_size,
@@ -240,6 +256,33 @@ def run(args: argparse.Namespace) -> int:
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
         "runs": {name: summarize(result) for name, result in runs.items()},
     }
+    _emit(args, report, runs)
+    return 0
+
+
+def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
+    """`--url`: one run against the server; its report has the same shape, `config` naming the server."""
+    from radixkv.tools.replay_http import Server, replay_url
+
+    if args.compare:
+        raise ValueError("--compare replays in process; against --url, run a server without its cache")
+    tokenizer = workload_tokenizer(workload, args.model)
+    server = Server(args.url, args.api_key, args.endpoint)
+    progress = sys.stderr.isatty() and not args.json
+    runs = {"prefix_cache": replay_url(workload, server, tokenizer, args.speed, progress)}
+    report = {
+        "workload": str(args.workload),
+        "model": server.served_model(),
+        "config": {"url": args.url, "endpoint": args.endpoint, "speed": args.speed},
+        "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
+        "runs": {name: summarize(result) for name, result in runs.items()},
+    }
+    _emit(args, report, runs)
+    return 0
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, RunResult]) -> None:
+    """Writes the report and plot where asked, and prints the report."""
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -250,7 +293,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-    return 0
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -1,0 +1,125 @@
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket, replayed.
+
+A decode step of a small model is hundreds of small kernel launches; on a GPU their launch cost
+rivals the work. A graph records the whole forward once and replays it with one launch. A graph
+replays fixed addresses and shapes, so each bucket (1, 2, 4, 8, then multiples of 16 up to
+`max_num_seqs`) reads its inputs from static buffers that a step fills: its sequences in the
+first rows, the padding rows after them with slot -1 (store_kv writes nothing) and length 1 (their
+attention reads one valid slot; their logits are dropped). The block table is as wide as
+`max_model_len` allows, so one graph serves every context length, and the attention launches are
+planned inside the capture (the GPU plan needs no host sync).
+
+Guarded: graphs only on CUDA, only for steps where every sequence has one new token and gets
+logits, and a capture that fails (a model that syncs during its forward) warns once and leaves
+the runner eager for good. Nothing here runs on a CPU: these paths are checked by `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixkv.model.attention_backend import PagedBatch
+from radixkv.model.persistent_batch import HostBatch
+
+if TYPE_CHECKING:
+    from radixkv.model.runner import ModelRunner
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4, 8, then every multiple of 16, and `max_num_seqs` itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += [b for b in range(16, max_num_seqs, 16)]
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one runner, by bucket, captured on first use."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        self.runner = runner
+        self.buckets = graph_buckets(max_num_seqs)
+        device = runner.device
+        width = -(-runner.loaded.max_model_len // runner.block_size)
+        ints = {"dtype": torch.int32, "device": device}
+        self.input_ids = torch.zeros((1, max_num_seqs), **ints)
+        self.position_ids = torch.zeros((1, max_num_seqs), **ints)
+        self.slot_mapping = torch.full((max_num_seqs,), -1, **ints)
+        self.seq_lens = torch.ones((max_num_seqs,), **ints)
+        self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one token per sequence, always
+        self.logit_rows = torch.arange(max_num_seqs, **ints)
+        self.block_table = torch.zeros((max_num_seqs, width), **ints)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: object | None = None
+        self.failed = False
+
+    def fits(self, step: HostBatch) -> bool:
+        """A decode step the graphs can run: one new token and one logits row per sequence."""
+        num_seqs = step.seq_lens.shape[0]
+        return (
+            not self.failed
+            and step.input_ids.shape[1] == num_seqs == step.logit_rows.shape[0]
+            and num_seqs <= self.buckets[-1]
+            and step.block_table.shape[1] <= self.block_table.shape[1]
+        )
+
+    def run(self, step: HostBatch) -> torch.Tensor | None:
+        """Float32 logits `[S, vocab]` of the step by graph replay; None when capture failed."""
+        num_seqs, width = step.block_table.shape
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        self.input_ids[:, :num_seqs].copy_(step.input_ids)
+        self.position_ids[:, :num_seqs].copy_(step.position_ids)
+        self.slot_mapping[:num_seqs].copy_(step.slot_mapping)
+        self.slot_mapping[num_seqs:bucket].fill_(-1)
+        self.seq_lens[:num_seqs].copy_(step.seq_lens)
+        self.seq_lens[num_seqs:bucket].fill_(1)
+        self.block_table[:num_seqs, :width].copy_(step.block_table)
+        entry = self._graphs.get(bucket) or self._capture(bucket)
+        if entry is None:
+            return None
+        graph, logits = entry
+        graph.replay()
+        return logits[:num_seqs].clone()  # the graph overwrites its output at the next replay
+
+    def _forward(self, size: int) -> torch.Tensor:
+        batch = HostBatch(
+            input_ids=self.input_ids[:, :size],
+            position_ids=self.position_ids[:, :size],
+            logit_rows=self.logit_rows[:size],
+            slot_mapping=self.slot_mapping[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            block_table=self.block_table[:size],
+        )
+        paged: PagedBatch = self.runner.paged_batch(batch)
+        output = self.runner.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=batch.logit_rows,
+            paged_batch=paged,
+        )
+        return output.logits[0].float()
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Warm up on a side stream (Triton compiles there; the buffers hold this step's inputs, so
+        the warm-up stores exactly the KV the replay will), then capture into a shared pool."""
+        try:
+            side = torch.cuda.Stream(self.runner.device)
+            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(side):
+                self._forward(size)
+            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._forward(size)
+        except RuntimeError as error:
+            message = f"CUDA graph capture failed (batch {size}); decoding eagerly: {error}"
+            warnings.warn(message, stacklevel=2)
+            self.failed = True
+            return None
+        self._pool = graph.pool()
+        self._graphs[size] = (graph, logits)
+        return self._graphs[size]

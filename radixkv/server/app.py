@@ -1,0 +1,103 @@
+"""The FastAPI application: routes, authorization, error shapes and the engine's lifetime.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`. With an API key, the `/v1` routes need `Authorization: Bearer <key>`; health and
+metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the request models
+(strict types), not by FastAPI's lenient coercion, so a malformed body or a wrong JSON type is a
+400 naming the field and never reaches the engine. Every error, routing ones included, has
+OpenAI's shape. When the application shuts down (after uvicorn's graceful period), the engine
+aborts what is still going and stops its loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from radixkv.server import handlers
+from radixkv.server.chat_prompt import ReplyStore
+from radixkv.server.errors import APIError, from_validation
+from radixkv.server.prometheus import CONTENT_TYPE, exposition
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.state import ServerState
+
+log = logging.getLogger("radixkv.server")
+
+
+def build_app(
+    engine: Any, model_name: str, *, api_key: str | None = None, max_waiting: int | None = None
+) -> FastAPI:
+    """The application serving `engine` (an `AsyncEngine`) as `model_name`; it shuts the engine
+    down when it stops."""
+    replies = ReplyStore(engine.tokenizer) if engine.tokenizer is not None else None
+    state = ServerState(engine, model_name, api_key, max_waiting, replies, created=int(time.time()))
+    render_metrics = exposition(engine.metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.radixkv = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await _parse(request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await _parse(request, ChatCompletionRequest))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state.authorize(request.headers.get("authorization"))
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "radixkv",
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation(e) from e

@@ -1,0 +1,56 @@
+"""Chat prompts that find the KV of the conversation before them.
+
+An OpenAI client sends the whole conversation every turn, its earlier replies as text. Tokenizing
+a reply's text again need not give the ids the model generated (a byte-level model's reply need
+not even be valid UTF-8; a BPE tokenizer may merge differently), and then the prompt leaves the
+cached prefix at the first reply. So the server keeps the generated ids of its recent replies,
+keyed by their text (`ReplyStore`), and renders a conversation with each known reply's ids
+spliced in its place (`render_chat`), as `ChatSession` does in process. Turn k then extends
+turn k-1's prompt and reply token for token, and finds them all in the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from radixkv.conversation import render_chat
+from radixkv.server.errors import APIError
+from radixkv.server.protocol import ChatMessage
+
+
+class ReplyStore:
+    """The ids of the last `capacity` replies, by text; the oldest go first."""
+
+    def __init__(self, tokenizer: Any, capacity: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._special = set(tokenizer.all_special_ids)
+
+    def add(self, text: str, token_ids: list[int]) -> None:
+        """Remembers a finished reply. A closing special token (EOS) is left out, since the chat
+        template closes the turn itself; a reply whose ids do not decode to its text (a stop
+        string cut it) is not kept, since splicing its ids would change the conversation."""
+        ids = token_ids[:-1] if token_ids and token_ids[-1] in self._special else token_ids
+        if not text or self.tokenizer.decode(ids, skip_special_tokens=True) != text:
+            return
+        self._ids[text] = list(ids)
+        self._ids.move_to_end(text)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def get(self, text: str) -> list[int] | None:
+        return self._ids.get(text)
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], replies: ReplyStore) -> list[int]:
+    """The prompt ids for a chat request: the template with the generation prompt, known
+    assistant replies as their generated ids."""
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise APIError.bad_request("messages", "this model has no chat template: use /v1/completions")
+    plain = [{"role": m.role, "content": m.text} for m in messages]
+    known = {
+        i: ids for i, m in enumerate(plain) if m["role"] == "assistant" and (ids := replies.get(m["content"]))
+    }
+    return render_chat(tokenizer, plain, known)

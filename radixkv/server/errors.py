@@ -1,0 +1,63 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and where they come from.
+
+Every refusal names what to fix: a body that is not JSON or has a wrong type is a 400 naming the
+field (pydantic's location), and an engine `ValueError` is a 400 naming the request parameter
+behind the engine field its message starts with (`engine_param`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def bad_request(cls, param: str | None, message: str) -> APIError:
+        return cls(400, message, param=param)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_validation(error: ValidationError) -> APIError:
+    """The first problem pydantic found, naming the top-level field (None for a body that is not
+    a JSON object)."""
+    first = error.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "json_invalid":
+        return APIError.bad_request(None, f"the body is not valid JSON: {first['msg']}")
+    if not loc:
+        return APIError.bad_request(None, f"the body must be a JSON object: {first['msg']}")
+    where = ".".join(p for p in loc if p.isdigit() or p.isidentifier())
+    return APIError.bad_request(loc[0], f"{where}: {first['msg']}")
+
+
+# Engine fields whose request parameter has another name; `None` keys are filled per request.
+_ENGINE_TO_API = {"beam_width": "n", "request": "max_tokens"}
+
+
+def engine_param(message: str, renames: Mapping[str, str]) -> str | None:
+    """The request parameter an engine ValueError is about. The engine's messages start with the
+    field's name ("max_tokens must be ...", "prompt has 9000 tokens; ..."); `renames` maps the
+    engine's names to this endpoint's (`prompt` -> `messages` for chat, say)."""
+    word = message.split(" ", 1)[0].strip(":,;")
+    word = renames.get(word, _ENGINE_TO_API.get(word, word))
+    return word if word.isidentifier() else None

@@ -1,0 +1,107 @@
+"""`radixkv serve`: the engine behind an OpenAI-compatible HTTP server, until SIGTERM or Ctrl-C.
+
+Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and lets the requests in
+flight finish for `--graceful-timeout` seconds; then it cancels what is left, which aborts those
+requests in the engine, and the application stops the engine. The process then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from radixkv.cache.eviction import POLICIES
+from radixkv.config import SCHEDULING_POLICIES, EngineConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients ask for (default: --model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 503 while this many requests wait (default: no limit)",
+    )
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGTERM",
+    )
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    engine.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument(
+        "--kv-cache-memory", default=None, help="e.g. 512MiB; default: a share of free memory"
+    )
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=128)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    engine.add_argument("--no-prefix-cache", action="store_true", help="switch the prefix cache off")
+    engine.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
+    engine.add_argument("--scheduling", default="lpm", choices=list(SCHEDULING_POLICIES))
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_cache=not args.no_prefix_cache,
+        eviction=args.eviction,
+        scheduling=args.scheduling,
+        seed=args.seed,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.graceful_timeout < 0:
+        raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
+    import uvicorn
+
+    from radixkv import AsyncEngine
+    from radixkv.server.app import build_app
+
+    config = engine_config(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(config)
+    app = build_app(
+        engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.graceful_timeout,
+        )
+    )
+    # uvicorn raises the signal that stopped it again once it is done, through the handlers in
+    # place before it started: with these, a SIGTERM after the graceful shutdown exits with 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    print(f"radixkv serve: {config.model} on http://{args.host}:{args.port}/v1", flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,151 @@
+"""The request bodies of the OpenAI API as radixkv serves them, checked before the engine sees them.
+
+Types are strict (a string where a number belongs, `true` where an integer belongs, a float where
+an integer belongs: all refused), so a malformed body fails here with the field named, never inside
+an engine step. Ranges are the engine's own (`SamplingParams.validate`), checked at submission and
+mapped to a 400 naming the parameter (`radixkv.server.errors`), so there is one place that decides
+what is in range. OpenAI fields radixkv does not implement are accepted at their default values
+and refused with a 400 naming them otherwise, rather than silently ignored; unknown fields are
+ignored, as OpenAI's own server does.
+
+Extras beside OpenAI's fields, spelled as vLLM spells them: `top_k`, `ignore_eos`,
+`stop_token_ids`, `use_beam_search` (with `n` beams, `length_penalty`, `early_stopping`),
+`return_tokens_as_token_ids` (logprob tokens as "token_id:N"), and `session_id`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixkv.server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted at their defaults only (see `unsupported`).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # Extras.
+    top_k: int = -1
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    return_tokens_as_token_ids: bool = False
+    session_id: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises a 400 naming the first field set to something radixkv cannot honour."""
+        if self.presence_penalty != 0 or self.frequency_penalty != 0:
+            name = "presence_penalty" if self.presence_penalty != 0 else "frequency_penalty"
+            raise APIError.bad_request(name, f"{name} is not supported; leave it at 0")
+        if self.logit_bias:
+            raise APIError.bad_request("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError.bad_request("stream_options", "stream_options needs stream: true")
+        if self.use_beam_search and self.stream:
+            raise APIError.bad_request(
+                "stream", "beam search returns finished beams only: set stream to false"
+            )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    """`POST /v1/completions`. `prompt` is text, token ids, or a list of either (a batch: one
+    choice list per prompt, choice `index` running over prompts then samples, as OpenAI does).
+    `logprobs` k returns each token's logprob and its k most likely alternatives."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise APIError.bad_request("echo", "echo is not supported")
+        if self.suffix:
+            raise APIError.bad_request("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError.bad_request("best_of", "best_of is not supported (use n, or use_beam_search)")
+        super().check_supported()
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per entry. An empty list is one empty prompt (the engine says why)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    """`POST /v1/chat/completions`: `messages` through the model's chat template. `logprobs`
+    true returns each token's logprob, with `top_logprobs` alternatives."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise APIError.bad_request("tools", "tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError.bad_request("response_format", "only the text response_format is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        super().check_supported()

@@ -1,0 +1,65 @@
+"""What the server holds beside the engine: its name, key, admission count and reply store."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.server.chat_prompt import ReplyStore
+from radixkv.server.errors import APIError
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    """`max_waiting`: engine requests the server lets wait for a slot before it answers 503.
+    Waiting is counted as the engine requests this server has in flight minus those the engine
+    runs; the count rises when a request is admitted, in the event loop, so a burst cannot slip
+    past it between two engine steps."""
+
+    engine: Any
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None
+    replies: ReplyStore | None = None
+    in_flight: int = 0
+    created: int = 0  # when the model was loaded, for /v1/models
+
+    def authorize(self, header: str | None) -> None:
+        """401 unless `Authorization: Bearer <key>` matches (when the server has a key)."""
+        if self.api_key is None:
+            return
+        scheme, _, key = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError(
+                401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
+            )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def waiting(self) -> int:
+        return max(0, self.in_flight - self.engine.metrics()["running"])
+
+    def admit(self, engine_requests: int) -> None:
+        """Counts the request in, or answers 503 with Retry-After when `max_waiting` already wait."""
+        if self.max_waiting is not None and self.waiting() >= self.max_waiting:
+            raise APIError(
+                503,
+                f"the server is full: {self.max_waiting} requests already wait; retry shortly",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.in_flight += engine_requests
+
+    def release(self, engine_requests: int) -> None:
+        self.in_flight -= engine_requests

@@ -1,0 +1,255 @@
+"""`radixkv bench engine`: the host's work per engine step, with the model's forward stubbed out.
+
+On a GPU a decode step of a small model takes a few milliseconds, and the host must have the next
+step ready by then. This measures everything but the model: the scheduler (admission, growth,
+the waiting queue), the KV books (allocation, the radix tree), the step's inputs (block tables,
+positions, slot mappings, their copy to the device) and postprocessing (sampling, appending,
+caching). The transformers model inside the `ModelRunner` is replaced by `StubModel`, which
+returns logits of the right shape at once, so every other line of a step runs as it does in
+production and the figures are host time only.
+
+Cases (tiny-llama's shapes, bfloat16 KV, block size 16, random prompt tokens, greedy, EOS ignored):
+- `decode_256`: 256 sequences decoding at 2,048 tokens of context.
+- `mixed_prefill`: 128 decodes beside a chunked prefill of 8,000-token prompts (2,048-token budget:
+  1,920 prompt tokens a step).
+- `waiting_64`, `waiting_256`, `waiting_512`: 64 sequences decode and fill every slot
+  (`max_num_seqs` 64) while that many prompts wait; prompts share 1,024-token prefixes in 8 groups.
+  Admission can take nothing, so a step should cost the same whatever the queue's length.
+Each case is set up with untimed steps, warmed up, then timed in `ROUNDS` rounds of `--steps` steps;
+the report gives the fastest round's mean milliseconds per step and per part. torch runs on one
+intra-op thread while it measures: the host's step is one thread's work, and on a shared 2-core
+machine a second torch thread made small CPU ops (a 256 x 259 argmax) up to 30 times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixkv.config import EngineConfig
+from radixkv.model.presets import PRESETS
+from radixkv.model.runner import kv_block_bytes
+from radixkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixkv.engine import Engine
+
+PARTS = ("schedule", "copy_blocks", "prepare_inputs", "forward_stub", "postprocess", "other")
+"""Where a step's host time goes: `prepare_inputs` is `ModelRunner.forward` less the stub's call;
+`other` is what `Engine.step` does outside the timed calls (building chunks, metrics, hooks)."""
+WARMUP_STEPS = 3
+ROUNDS = 3
+"""Rounds of timed steps per case; the report keeps the fastest, the one other processes on a
+shared machine disturbed least (as timeit's minimum)."""
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class CaseResult:
+    """One case: mean host milliseconds per step, and per part (`PARTS`)."""
+
+    name: str
+    host_ms_per_step: float
+    steps: int
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+class StubModel(torch.nn.Module):
+    """Stands in for the transformers model: one row of logits per entry of `logits_to_keep`.
+
+    The logits are a fixed random tensor sliced to the step's rows (so greedy picks the same token
+    for every row, which no case depends on); the time spent inside is recorded for the report.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.logits = torch.randn((1, max_rows, vocab_size), generator=generator).to(device)
+        self.seconds = 0.0
+
+    def forward(self, *, logits_to_keep: torch.Tensor, **_: Any) -> Any:
+        start = time.perf_counter()
+        out = _Output(self.logits[:, : logits_to_keep.shape[0]])
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+@dataclass(slots=True)
+class _Output:
+    logits: torch.Tensor
+
+
+class _Timer:
+    """Accumulated seconds of calls to methods wrapped on an instance (`wrap`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, owner: object, method: str, part: str) -> None:
+        inner: Callable[..., Any] = getattr(owner, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+
+
+def stub_engine(config: EngineConfig, max_rows: int) -> tuple[Engine, StubModel]:
+    """An engine whose model forward is a `StubModel` (the KV cache is allocated but never read)."""
+    from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
+
+    engine = Engine(config)
+    stub = StubModel(engine.model.vocab_size, max_rows, engine.runner.device)
+    engine.runner.model = stub
+    return engine, stub
+
+
+def _prompts(
+    rng: random.Random, count: int, length: int, shared: list[list[int]] | None = None
+) -> list[list[int]]:
+    """`count` random prompts of `length` tokens; with `shared`, prompt i starts with shared[i % len]."""
+    prompts = []
+    for i in range(count):
+        head = shared[i % len(shared)] if shared else []
+        prompts.append(head + [rng.randrange(256) for _ in range(length - len(head))])
+    return prompts
+
+
+def _config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> EngineConfig:
+    """tiny-llama with room for `num_blocks` blocks of 16 tokens in bfloat16 (half float32's memory;
+    the stub never reads the cache)."""
+    model = PRESETS["tiny-llama"]()
+    per_block = kv_block_bytes(
+        model.num_hidden_layers, BLOCK_SIZE, model.num_key_value_heads, model.head_dim, torch.bfloat16
+    )
+    return EngineConfig(
+        model="tiny-llama", dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * per_block, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
+def _decode_256(rng: random.Random) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * 130 + 64), 256)
+    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+    for prompt in _prompts(rng, 256, 2047):
+        engine.add_request(prompt, params)
+    engine.step()  # every prompt prefilled in one step; each sequence now holds 2,048 tokens
+    return engine, stub
+
+
+def _mixed_prefill(rng: random.Random) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(140, 2048, 128 * 70 + 10 * 520), 2048)
+    params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+    for prompt in _prompts(rng, 128, 1000):
+        engine.add_request(prompt, params)
+    while len(engine.scheduler.waiting) or not all(r.prompt_done for r in engine.scheduler.running):
+        engine.step()
+    for prompt in _prompts(rng, 10, 8000):
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return engine, stub
+
+
+def _waiting(num_waiting: int) -> Callable[[random.Random], tuple[Engine, StubModel]]:
+    def setup(rng: random.Random) -> tuple[Engine, StubModel]:
+        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * 130 + 64), 64)
+        params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+        shared = _prompts(rng, 8, 1024)
+        for prompt in _prompts(rng, 64, 2047, shared):
+            engine.add_request(prompt, params)
+        engine.step()
+        for prompt in _prompts(rng, num_waiting, 2048, shared):
+            engine.add_request(prompt, params)
+        return engine, stub
+
+    return setup
+
+
+CASES: dict[str, Callable[[random.Random], tuple[Engine, StubModel]]] = {
+    "decode_256": _decode_256,
+    "mixed_prefill": _mixed_prefill,
+    "waiting_64": _waiting(64),
+    "waiting_256": _waiting(256),
+    "waiting_512": _waiting(512),
+}
+
+
+def run_case(name: str, steps: int) -> CaseResult:
+    """Set up case `name`, warm up, then time `ROUNDS` rounds of `steps` steps and keep the fastest
+    round; every step must run a batch."""
+    engine, stub = CASES[name](random.Random(0))
+    timer = _Timer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.kv, "run_copies", "copy_blocks")
+    timer.wrap(engine.runner, "forward", "prepare_inputs")
+    timer.wrap(engine.scheduler, "postprocess", "postprocess")
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    best: dict[str, float] | None = None
+    for _ in range(ROUNDS):
+        timer.reset()
+        stub.seconds = 0.0
+        before = engine.num_steps
+        total = 0.0
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            total += time.perf_counter() - start
+        if engine.num_steps - before != steps:
+            raise RuntimeError(f"bench case {name}: {steps - engine.num_steps + before} steps ran no batch")
+        parts = dict(timer.seconds)
+        parts["prepare_inputs"] -= stub.seconds
+        parts["forward_stub"] = stub.seconds
+        parts["other"] = total - sum(v for k, v in parts.items() if k != "other")
+        if best is None or total < sum(best.values()):
+            best = parts
+    del engine, stub
+    gc.collect()
+    total = sum(best.values())
+    return CaseResult(name, total * 1e3 / steps, steps, {k: v * 1e3 / steps for k, v in best.items()})
+
+
+def run(args: argparse.Namespace) -> int:
+    names = args.case or list(CASES)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the module docstring
+    try:
+        results = _run_cases(names, args)
+    finally:
+        torch.set_num_threads(threads)
+    if args.json:
+        print(json.dumps({"cases": [asdict(r) for r in results]}, indent=2))
+    return 0
+
+
+def _run_cases(names: list[str], args: argparse.Namespace) -> list[CaseResult]:
+    if not args.json:
+        rounds = f"fastest of {ROUNDS} rounds of {args.steps} steps"
+        print(f"host ms per engine step, model forward stubbed; {rounds}")
+        print(f"{'case':<14} {'ms/step':>8}  " + "  ".join(f"{p:>14}" for p in PARTS), flush=True)
+    results = []
+    for name in names:
+        result = run_case(name, args.steps)
+        results.append(result)
+        if not args.json:
+            total = result.host_ms_per_step
+            shares = "  ".join(
+                f"{result.parts[p]:>7.3f} ({result.parts[p] / total:>3.0%})" for p in PARTS
+            )
+            print(f"{name:<14} {total:>8.3f}  {shares}", flush=True)
+    return results

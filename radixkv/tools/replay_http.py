@@ -1,0 +1,261 @@
+"""`radixkv replay --url`: the same replay against any OpenAI-compatible server.
+
+Each session runs in its own thread with a plain HTTP/1.1 connection (the standard library's
+`http.client`; the timing is the server's, not the client's, so no async client is needed),
+sending its turns as the in-process replay does: due at arrival plus think time, greedy,
+exactly `max_tokens` tokens (`ignore_eos`), streamed with `stream_options.include_usage`.
+TTFT runs from when the turn was due to the first streamed chunk with content; prompt and cached
+tokens come from `usage` (`prompt_tokens_details.cached_tokens`, 0 where a server does not say).
+
+Prompts. `--endpoint completions` (the default for token-id workloads) sends the conversation's
+token ids, built as in process (`Conversation`, the chat template through `--model`'s tokenizer
+for text sessions), and reads each reply's ids back from the logprob tokens that
+`return_tokens_as_token_ids` spells "token_id:N" (vLLM's extra; radixkv's server has it too),
+so every prompt is the one the in-process replay would send. `--endpoint chat` (the default for
+text workloads) sends messages and the replies as text, as a chat client does; the server's
+template and tokenizer decide the ids.
+
+A 503 is retried after its `Retry-After`, and the wait counts in the turn's TTFT, as a user would
+see it. Counters that only the server knows (preemptions, evictions, copy-on-write copies) come
+from its `/metrics` when it exposes radixkv's names, as the change over the run; KV usage is not
+measured from outside (0 in the report).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.conversation import Conversation
+from radixkv.workloads.format import Session, Workload
+
+SERVER_COUNTERS = {
+    "num_preemptions": "radixkv_num_preemptions",
+    "num_evicted_blocks": "radixkv_num_evicted_blocks",
+    "num_cow_copies": "radixkv_num_cow_copies",
+}
+MAX_RETRIES_503 = 100
+
+
+@dataclass(slots=True)
+class Server:
+    """Where to send requests: `url` may end in `/v1` or not."""
+
+    url: str
+    api_key: str | None = None
+    endpoint: str | None = None  # "chat" or "completions"; None picks by workload
+    model: str | None = None  # the model name to ask for; None asks /v1/models
+    timeout_s: float = 600.0
+    base_path: str = field(init=False, default="")  # the URL's path, less a trailing /v1
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--url must be an http(s) URL, got {self.url!r}")
+        if self.endpoint not in (None, "chat", "completions"):
+            raise ValueError(f"--endpoint must be chat or completions, got {self.endpoint!r}")
+        self.base_path = parts.path.rstrip("/").removesuffix("/v1")
+
+    def connect(self) -> http.client.HTTPConnection:
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        return kind(parts.hostname, parts.port, timeout=self.timeout_s)
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = self.connect()
+        try:
+            conn.request("GET", self.base_path + path, headers=self.headers())
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def served_model(self) -> str:
+        if self.model is not None:
+            return self.model
+        status, body = self.get("/v1/models")
+        if status != 200:
+            raise ValueError(f"GET /v1/models answered {status}: {body[:200]!r}; pass --model")
+        return json.loads(body)["data"][0]["id"]
+
+    def counters(self) -> dict[str, float]:
+        """radixkv's server counters from /metrics; {} from a server without them."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, body = self.get("/metrics")
+        if status != 200:
+            return {}
+        values = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                values[sample.name.removesuffix("_total")] = sample.value
+        return {key: values[name] for key, name in SERVER_COUNTERS.items() if name in values}
+
+
+@dataclass(slots=True)
+class Reply:
+    first_token_s: float  # perf_counter time of the first chunk with content
+    finish_s: float
+    text: str
+    token_ids: list[int] | None  # None when the server did not spell its tokens as ids
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+def replay_url(
+    workload: Workload, server: Server, tokenizer: Any, speed: float = 1.0, progress: bool = False
+) -> Any:
+    """Replays `workload` against `server`; returns a `replay.RunResult`."""
+    from radixkv.tools.replay import RunResult, TurnRecord, progress_bar
+
+    sessions = workload.sessions
+    uses_ids = any(s.uses_ids for s in sessions)
+    endpoint = server.endpoint or ("completions" if uses_ids else "chat")
+    if endpoint == "chat" and uses_ids:
+        raise ValueError("--endpoint chat takes text sessions; this workload has token ids: use completions")
+    model = server.served_model()
+    before = server.counters()
+    records: list[TurnRecord] = []
+    lock = threading.Lock()
+    bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
+    start = time.perf_counter()
+
+    def run_session(session: Session) -> None:
+        conv = (
+            Conversation(None if session.uses_ids else tokenizer, session.system)
+            if endpoint == "completions"
+            else None
+        )
+        history: list[dict[str, str]] = (
+            [{"role": "system", "content": session.system}] if session.system else []
+        )
+        due = session.arrival / speed + session.turns[0].think / speed
+        for k, turn in enumerate(session.turns):
+            time.sleep(max(0.0, start + due - time.perf_counter()))
+            body: dict[str, Any] = {
+                "model": model,
+                "max_tokens": turn.max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            if conv is not None:
+                body.update(prompt=conv.prompt(turn.user), logprobs=0, return_tokens_as_token_ids=True)
+                reply = _send(server, "/v1/completions", body)
+                if reply.token_ids is None:
+                    raise ValueError("the server did not return token ids (return_tokens_as_token_ids)")
+                conv.add_reply(reply.token_ids, reply.text)
+            else:
+                body["messages"] = [*history, {"role": "user", "content": turn.user}]
+                reply = _send(server, "/v1/chat/completions", body)
+                history += [
+                    {"role": "user", "content": turn.user},
+                    {"role": "assistant", "content": reply.text},
+                ]
+            with lock:
+                records.append(
+                    TurnRecord(
+                        session.name,
+                        k,
+                        due,
+                        reply.first_token_s - start,
+                        reply.finish_s - start,
+                        reply.prompt_tokens,
+                        reply.cached_tokens,
+                        reply.output_tokens,
+                    )
+                )
+                if bar is not None:
+                    bar.update(1)
+            if k + 1 < len(session.turns):
+                due = reply.finish_s - start + session.turns[k + 1].think / speed
+
+    with ThreadPoolExecutor(max_workers=max(len(sessions), 1)) as pool:
+        for future in [pool.submit(run_session, s) for s in sessions]:
+            future.result()
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    after = server.counters()
+    metrics = {key: int(after.get(key, 0) - before.get(key, 0)) for key in SERVER_COUNTERS}
+    return RunResult(records, wall, metrics, 0.0, 0.0)
+
+
+def _send(server: Server, path: str, body: dict[str, Any]) -> Reply:
+    """One streamed request, retried after a 503's Retry-After."""
+    payload = json.dumps(body).encode()
+    for _ in range(MAX_RETRIES_503):
+        conn = server.connect()
+        try:
+            conn.request("POST", server.base_path + path, body=payload, headers=server.headers())
+            response = conn.getresponse()
+            if response.status == 503:
+                response.read()
+                time.sleep(float(response.getheader("Retry-After") or 1))
+                continue
+            if response.status != 200:
+                raise ValueError(f"POST {path} answered {response.status}: {response.read()[:500]!r}")
+            return _read_stream(_events(response))
+        finally:
+            conn.close()
+    raise ValueError(f"POST {path}: the server stayed full through {MAX_RETRIES_503} retries")
+
+
+def _events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of a Server-Sent Events body, up to `[DONE]`."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise ValueError(f"the server failed mid-stream: {event['error']}")
+        yield event
+
+
+def _read_stream(events: Iterator[dict[str, Any]]) -> Reply:
+    """A streamed reply: its text, its ids if every token came spelled "token_id:N", its usage."""
+    first = None
+    pieces: list[str] = []
+    ids: list[int] = []
+    spelled = True
+    usage: dict[str, Any] = {}
+    for event in events:
+        usage = event.get("usage") or usage
+        for choice in event.get("choices", []):
+            text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content") or ""
+            tokens = (choice.get("logprobs") or {}).get("tokens") or []
+            if first is None and (text or tokens):
+                first = time.perf_counter()
+            pieces.append(text)
+            spelled = spelled and bool(tokens or not text) and all(t.startswith("token_id:") for t in tokens)
+            ids += [int(t.removeprefix("token_id:")) for t in tokens if spelled]
+    finish = time.perf_counter()
+    details = usage.get("prompt_tokens_details") or {}
+    return Reply(
+        first_token_s=first if first is not None else finish,
+        finish_s=finish,
+        text="".join(pieces),
+        token_ids=ids if spelled else None,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens", 0)),
+    )

@@ -1,0 +1,176 @@
+"""The GPU suite: `pytest -m gpu`, skipped without CUDA.
+
+Compiled (not interpreted) kernels against the plain-torch reference in float16 and bfloat16, the
+engine's greedy and beam outputs against transformers on CUDA (CUDA graphs on, and off), steps
+that make no tensor off the engine's device, and the decode bandwidth benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import random
+
+import pytest
+import torch
+from radixkv.kernels import copy_blocks, paged_attention, store_kv
+from radixkv.kernels.dispatch import interpreted
+from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
+
+from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
+from radixkv.cli import main
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda")
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# (new tokens, cached tokens): decodes, a prefill, extends, lengths off every block boundary.
+MIXED = [(1, 37), (1, 0), (19, 0), (5, 60), (1, 130), (33, 17), (2, 1), (1, 4095), (64, 700)]
+
+
+def random_batch(dtype: torch.dtype, head_dim: int, block_size: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = 8, 2
+    seq_lens = [new + cached for new, cached in MIXED]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 2
+    physical = torch.randperm(num_blocks, generator=generator).tolist()
+    table = torch.zeros((len(MIXED), max(blocks)), dtype=torch.int32)
+    first = 0
+    for i, b in enumerate(blocks):
+        table[i, :b] = torch.tensor(physical[first : first + b])
+        first += b
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(CUDA, dtype)
+    v_cache = torch.randn(shape, generator=generator).to(CUDA, dtype)
+    q_lens = [new for new, _ in MIXED]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(CUDA, dtype)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(CUDA, torch.int32)
+    return q, k_cache, v_cache, table.to(CUDA), torch.tensor(seq_lens, dtype=torch.int32, device=CUDA), starts
+
+
+def test_kernels_are_compiled_on_cuda_tensors():
+    assert not interpreted(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(128, 16), (64, 32), (96, 16), (256, 8)])
+def test_compiled_paged_attention_matches_the_reference(dtype, head_dim, block_size):
+    batch = random_batch(dtype, head_dim, block_size)
+    ours = paged_attention(*batch)
+    torch.cuda.synchronize()
+    reference = paged_attention_ref(*batch)
+    torch.testing.assert_close(ours.float(), reference.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_store_and_copy_match_the_reference(dtype):
+    generator = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(16, 16, 4, 128, generator=generator).to(CUDA, dtype)
+    v_cache = torch.randn(16, 16, 4, 128, generator=generator).to(CUDA, dtype)
+    k, v = torch.randn(2, 40, 4, 128, generator=generator).to(CUDA, dtype)
+    slots = torch.randperm(256, generator=generator)[:40].to(CUDA)
+    slots[::7] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, expected_k, expected_v, slots)
+    copy_blocks_ref(expected_k, expected_v, [1, 2, 5], [0, 6, 7])
+    store_kv(k, v, k_cache, v_cache, slots)
+    copy_blocks(k_cache, v_cache, [1, 2, 5], [0, 6, 7])
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def cuda_reference(reference_models, name: str):
+    return copy.deepcopy(reference_models[name]).to(CUDA)
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt], device=CUDA),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
+        do_sample=False, max_new_tokens=max_tokens, pad_token_id=model.config.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_engine_greedy_matches_transformers_on_cuda(model_folders, reference_models, enforce_eager):
+    reference = cuda_reference(reference_models, "llama")
+    engine = Engine.from_pretrained(
+        model_folders["llama"], dtype="float32", device="cuda", block_size=16, kv_cache_memory="64MiB",
+        enforce_eager=enforce_eager,
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(4, 60))] for _ in range(12)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == greedy_reference(reference, prompt, 24)
+    assert (engine.runner.graphs is None) == enforce_eager
+    if not enforce_eager:
+        assert not engine.runner.graphs.failed, "a decode graph failed to capture; the engine ran eagerly"
+    engine.check_invariants()
+
+
+def test_beam_search_on_cuda_matches_transformers(model_folders, reference_models):
+    reference = cuda_reference(reference_models, "qwen2")
+    engine = Engine.from_pretrained(
+        model_folders["qwen2"], dtype="float32", device="cuda", block_size=4, kv_cache_memory="64MiB"
+    )
+    params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=1.0, early_stopping=True)
+    rng = random.Random(4)
+    for _ in range(4):
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 20))]
+        out = reference.generate(
+            torch.tensor([prompt], device=CUDA),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
+            num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True, do_sample=False,
+            max_new_tokens=12, pad_token_id=reference.config.pad_token_id,
+        )
+        pad = reference.config.pad_token_id
+        expected = []
+        for seq in out.tolist():
+            generated = seq[len(prompt) :]
+            while generated and generated[-1] == pad:
+                generated.pop()
+            expected.append(generated)
+        beams = engine.beam_search(prompt, params)
+        assert beams[0].token_ids == expected[0]
+        assert sorted(b.token_ids for b in beams) == sorted(expected)
+
+
+def test_cuda_steps_make_no_tensor_on_the_default_device(model_folders):
+    engine = Engine.from_pretrained(model_folders["llama"], device="cuda", kv_cache_memory="64MiB")
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1)
+    ids = [
+        engine.add_request(list(range(30, 70)), sampled),
+        engine.add_request(list(range(30, 60)), BeamSearchParams(beam_width=3, max_tokens=6)),
+    ]
+    with torch.device("meta"):
+        engine.run_until(lambda: all(engine.is_finished(i) for i in ids))
+    assert len(engine.output(ids[0]).token_ids) == 8 and len(engine.beam_output(ids[1])) == 3
+
+
+def test_auto_dtype_on_cuda_follows_the_checkpoint(model_folders):
+    saved = Engine.from_pretrained(model_folders["llama"], device="cuda", kv_cache_memory="64MiB")
+    assert saved.model.dtype == saved.runner.kv_cache.dtype == torch.float32  # saved in float32
+    preset = Engine(EngineConfig(model="tiny-llama", device="cuda", kv_cache_memory="64MiB"))
+    assert preset.model.dtype == torch.bfloat16  # random weights record no dtype
+
+
+def test_kv_budget_comes_from_a_profiling_forward(model_folders):
+    engine = Engine.from_pretrained(model_folders["llama"], device="cuda", gpu_memory_utilization=0.05)
+    total = torch.cuda.mem_get_info()[1]
+    kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+    assert 0 < kv_bytes <= 0.05 * total
+
+
+def test_bench_kernels_reports_decode_bandwidth_against_the_peak():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "kernels", "--json", "--repeats", "3"]) == 0
+    bandwidth = json.loads(out.getvalue())["bandwidth"]
+    assert bandwidth["num_seqs"] == 64 and bandwidth["seq_len"] == 4096 and bandwidth["head_dim"] == 128
+    assert 0 < bandwidth["fraction_of_peak"] <= 1.0
