@@ -96,6 +96,8 @@ def _load(rank: int, size: int, port: int, config: EngineConfig) -> LoadedModel:
     device = rank_device(config.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # the ranks share the host's cores: a worker takes its share of torch's threads
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
     group = connect(port, rank, size, device)
     loaded = load_whole(config, device)
     loaded = shard_model(loaded, plan_shards(loaded, size), rank, all_reducer(group))
