@@ -9,7 +9,9 @@ tokens. Sessions with the same system prompt share its blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from radixkv.conversation import Conversation
@@ -40,24 +42,55 @@ class _Session:
         self.conversation.add_reply(reply, text)
 
 
+_SESSION_IDS = itertools.count()
+
+
 class ChatSession(_Session):
+    """Its turns are tagged with `session_id`, so the `session` eviction policy keeps the
+    conversation's blocks over one-off requests' until `close()` (or the end of a `with` block)."""
+
     engine: Engine
+
+    def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
+        super().__init__(engine, system)
+        self.session_id = f"chat-{next(_SESSION_IDS)}"
+        self.closed = False
+
+    def close(self) -> None:
+        """No more turns: the conversation's cached blocks rank as a finished request's."""
+        if not self.closed:
+            self.closed = True
+            self.engine.close_session(self.session_id)
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
         """Sends the user's message; returns the engine's reply. With n > 1 the first sample
         continues the conversation. A message the engine refuses leaves the session unchanged."""
-        out = self.engine.generate([self.conversation.prompt(message)], params)[0]
+        self._check_open()
+        out = self.engine.generate([self.conversation.prompt(message)], params, self.session_id)[0]
         self._record(out.token_ids, out.finish_reason)
         return out
 
     def stream(self, message: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Like `send`, but yields the reply token by token as it is made."""
+        self._check_open()
         reply, reason = [], None
-        for piece in self.engine.stream(self.conversation.prompt(message), params):
+        for piece in self.engine.stream(self.conversation.prompt(message), params, self.session_id):
             reply.append(piece.token_id)
             reason = piece.finish_reason
             yield piece
         self._record(reply, reason)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"chat session {self.session_id} is closed")
 
 
 class AsyncChatSession(_Session):

@@ -54,8 +54,11 @@ def _bench_tp(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
     from radixkv import Engine, EngineConfig
+    from radixkv.tools.engine_args import host_config
 
-    with Engine(EngineConfig(model=args.model, tensor_parallel_size=args.tensor_parallel_size)) as engine:
+    tp = args.tensor_parallel_size
+    config = EngineConfig(model=args.model, tensor_parallel_size=tp, **host_config(args))
+    with Engine(config) as engine:
         return _chat_loop(engine, args)
 
 
@@ -86,7 +89,7 @@ def _workload(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.server import launch
-    from radixkv.tools import bench_tp, replay, simulate
+    from radixkv.tools import bench_tp, engine_args, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -114,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
     )
+    engine_args.add_host_arguments(chat)
     chat.set_defaults(func=_chat)
 
     bench = commands.add_parser("bench", help="benchmarks")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from radixkv.cache.block_pool import check_block_size, parse_bytes
 from radixkv.cache.eviction import POLICIES
+from radixkv.cache.kv_cache_manager import PREEMPTION_MODES
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
 
@@ -24,7 +25,14 @@ class EngineConfig:
     in chunks. `scheduling` orders the waiting queue: `lpm` (longest cached prefix first, with
     aging so nothing starves) or `fcfs`. `device` None picks CUDA when present.
     `tensor_parallel_size` N > 1 splits the model over N ranks, one process and device each
-    (`radixkv.model.parallel_runner`); `kv_cache_memory` is then per rank.
+    (`radixkv.model.parallel_runner`); `kv_cache_memory` and `host_kv_cache_memory` are then per
+    rank.
+
+    `host_kv_cache_memory` (bytes or a size; 0, the default, is off) puts a host tier behind the
+    device cache: evicted blocks are written there (pinned memory on CUDA) and loaded back on a
+    hit; `host_write_through` copies blocks there as soon as they are cached. `preemption_mode`
+    `swap` (needs the host tier) moves a preempted request's KV to the host and back instead of
+    recomputing it.
     """
 
     model: str = "tiny-llama"
@@ -41,6 +49,9 @@ class EngineConfig:
     device: str | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    host_kv_cache_memory: int | str = 0
+    host_write_through: bool = False
+    preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -65,6 +76,14 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        host = parse_bytes(self.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            mode = self.preemption_mode
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+        if host and not self.enable_prefix_cache:
+            raise ValueError("host_kv_cache_memory needs enable_prefix_cache (the host tier is in the tree)")
+        if self.preemption_mode == "swap" and not host:
+            raise ValueError("preemption_mode 'swap' needs a host tier: set host_kv_cache_memory > 0")
         if self.device is None:
             import torch  # here, so that reading a config does not load torch
 

@@ -31,13 +31,17 @@ class Engine(EngineCore):
                 raise RuntimeError("the engine stopped making progress before the awaited requests finished")
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None = None,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts (text or token-id lists) to completion, batched together. Raises the
-        RequestError of a request that a failed step ended."""
+        RequestError of a request that a failed step ended. `session_id`: see `add_request`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [self.make_request(p, params, call="generate") for p in prompts]  # all valid, or none
+        # All valid, or none queued.
+        requests = [self.make_request(p, params, call="generate", session_id=session_id) for p in prompts]
         ids = self.submit(requests)
         try:
             self.run_until(lambda: all(r.status is Status.FINISHED for r in requests))
@@ -46,10 +50,12 @@ class Engine(EngineCore):
             for i in ids:
                 self.forget(i)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, session_id: str | None = None
+    ) -> Iterator[StreamDelta]:
         """Yields each generated token as soon as it is made, with its piece of text. Closing the
         iterator early (or dropping it) aborts the request."""
-        request = self.make_request(prompt, params, call="stream")
+        request = self.make_request(prompt, params, call="stream", session_id=session_id)
         if request.params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={request.params.n}")
         return self._stream(request)

@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
-from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget
+from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget, parse_bytes
 from radixkv.cache.eviction import make_policy
+from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.config import EngineConfig
@@ -92,16 +93,23 @@ class EngineCore:
             max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
         )
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
-        cache = RadixCache(self.pool, make_policy(config.eviction)) if config.enable_prefix_cache else None
-        self.kv = KVCacheManager(self.pool, cache)
+        host = None
+        if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
+            num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
+            host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
+        cache = None
+        if config.enable_prefix_cache:
+            cache = RadixCache(self.pool, make_policy(config.eviction), host)
+        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
+        num_host = host.pool.num_blocks if host else 0
         self.runner: ModelRunner | ParallelRunner
         if parallel is not None:  # CUDA graphs stay off: a captured step would hold the all-reduces
-            parallel.allocate(self.pool.num_blocks, config.block_size)
+            parallel.allocate(self.pool.num_blocks, config.block_size, num_host)
             self.runner = parallel
         else:
             graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
             self.runner = ModelRunner(
-                m, self.pool.num_blocks, config.block_size, cuda_graph_max_seqs=graph_seqs
+                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
             )
         self.scheduler = Scheduler(
             self.kv,
@@ -139,10 +147,13 @@ class EngineCore:
         request_id: str | None = None,
         *,
         call: str = "add_request",
+        session_id: str | None = None,
     ) -> Request:
         """A validated request, not yet queued. `call` names the API: `generate` and `stream`
         take SamplingParams only, `beam_search` BeamSearchParams only (TypeError otherwise).
-        Bad input raises ValueError naming the field, before any work."""
+        Bad input raises ValueError naming the field, before any work. `session_id` makes it
+        a turn of that chat session: what it caches ranks with the session under the `session`
+        eviction policy until `close_session`."""
         expected: tuple[type, ...] = {
             "generate": (SamplingParams,),
             "stream": (SamplingParams,),
@@ -175,7 +186,9 @@ class EngineCore:
                 seq.detok = IncrementalDetokenizer(self.decode, params.stop, start=len(ids))
             if params.logprobs is not None:
                 seq.token_logprobs = []
-        return Request(request_id, list(ids), params, [seq])
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        return Request(request_id, list(ids), params, [seq], session_id=session_id)
 
     def submit(self, requests: list[Request]) -> list[str]:
         """Queues requests for the next step; returns their ids. Never waits for a step."""
@@ -191,10 +204,21 @@ class EngineCore:
         return [r.request_id for r in requests]
 
     def add_request(
-        self, prompt: Prompt, params: Params | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: Params | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Validates and queues a request; returns its id."""
-        return self.submit([self.make_request(prompt, params, request_id)])[0]
+        return self.submit([self.make_request(prompt, params, request_id, session_id=session_id)])[0]
+
+    def close_session(self, session_id: str) -> None:
+        """The chat session has no more turns: under the `session` policy its cached blocks lose
+        their rank over one-off requests' (a later turn with the same id revives it)."""
+        with self._lock:
+            self.kv.close_session(session_id)
 
     def abort(self, request_id: str, *, wait: bool = True) -> None:
         """Ends a request wherever it is (queued, prefilling, decoding, a beam group, the forks of
@@ -221,7 +245,7 @@ class EngineCore:
                 batch = self.scheduler.schedule()
                 if batch:
                     self.num_steps += 1
-                    self.kv.run_copies(self.runner.copy_blocks)
+                    self.kv.run_transfers(self.runner)
                     logits = self.runner.forward([self._chunk(item) for item in batch])
                     touched = self.scheduler.postprocess(batch, logits)
             except Exception as exc:  # contained: the batch's requests get it
@@ -327,6 +351,7 @@ class EngineCore:
 
     def metrics(self) -> dict:
         cache = self.kv.cache
+        host = cache.host if cache is not None else None
         return {
             "kv_cache_usage": 1.0 - self.pool.num_free / self.pool.num_blocks,
             "num_blocks": self.pool.num_blocks,
@@ -336,6 +361,13 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_blocks": cache.num_evicted if cache else 0,
             "num_cow_copies": self.kv.num_cow_copies,
+            "num_host_blocks": host.pool.num_blocks if host else 0,
+            "num_free_host_blocks": host.pool.num_free if host else 0,
+            "host_cache_hits": self.scheduler.host_cache_hits,
+            "num_offloaded_blocks": host.num_offloaded if host else 0,
+            "num_loaded_blocks": host.num_loaded if host else 0,
+            "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
             "time_to_first_token_seconds": self.ttft.as_dict(),

@@ -78,6 +78,7 @@ class Request:
     finish_time: float | None = None
     inter_token_s: list[float] = field(default_factory=list)  # gaps between the request's steps with tokens
     waited_steps: int = 0
+    session_id: str | None = None  # the chat session it is a turn of; tags what it caches
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
 
     @property

@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.beams: dict[str, BeamSearch] = {}
         self.num_preemptions = 0
+        self.host_cache_hits = 0  # prompt tokens of first admissions loaded from the host tier
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -140,7 +141,7 @@ class Scheduler:
                 continue
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
-                seq.table = self.kv.admit(seq.tokens, request.request_id)
+                seq.table = self.kv.admit(seq.tokens, request.request_id, request.session_id)
             cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
@@ -155,9 +156,11 @@ class Scheduler:
                 request.num_cached_tokens = cached
                 self.prefix_cache_queries += len(request.prompt_ids)
                 self.prefix_cache_hits += request.num_cached_tokens
+                self.host_cache_hits += request.seqs[0].table.num_loaded_tokens
             self.waiting.remove(request)
             self.running.append(request)
             request.status = Status.RUNNING
+            self.kv.swap_in(request.request_id)
             batch += self._scheduled(request, plan)
             budget -= sum(n for _, n in plan)
         return budget
@@ -195,7 +198,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         for seq in request.seqs:
-            self.kv.cache_finished(seq.table, seq.tokens)
+            self.kv.preempt(seq.table, seq.tokens)
             seq.table = None
             seq.logprobs = None
         self.running.remove(request)

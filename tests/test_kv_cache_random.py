@@ -13,6 +13,8 @@ import pytest
 
 from radixkv.cache import radix_cache
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.eviction import make_policy
+from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 
@@ -26,17 +28,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Harness:
-    def __init__(self, block_size: int, num_blocks: int, seed: int, exact: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        seed: int,
+        policy: str = "lru",
+        host_blocks: int = 0,
+        write_through: bool = False,
+        exact: bool = True,
+    ) -> None:
         """`exact`: matches must be as long as the naive reference's. Without (forced hash
-        collisions), the cache may decline to cache a run, so matches may be shorter, never wrong."""
+        collisions), the cache may decline to cache a run, so matches may be shorter, never wrong.
+        A host tier of `host_blocks` (0: none) may also shorten a match, when loading its host
+        part runs out of device blocks; the tiers together must still hold the whole prefix."""
         self.rng = random.Random(seed)
         self.exact = exact
         self.short_matches = 0
         self.B = block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = RadixCache(self.pool)
-        self.kv = KVCacheManager(self.pool, self.cache)
+        self.host = HostTier(host_blocks, block_size, write_through=write_through) if host_blocks else None
+        self.cache = RadixCache(self.pool, make_policy(policy), self.host)
+        self.kv = KVCacheManager(self.pool, self.cache, "swap" if host_blocks else "recompute")
+        self.owners = iter(range(10**9))
+        self.swapped: list[tuple[int, list[int]]] = []  # (owner, computed tokens) preempted by swap
+        self.restored = 0  # swapped sequences that came back whole
         self.slots = np.full((num_blocks, block_size), -1, dtype=np.int64)  # fake KV
+        self.host_slots = np.full((max(host_blocks, 1), block_size), -1, dtype=np.int64)
         self.reference: list[list[int]] = []
         self.live: list[tuple[BlockTable, list[int]]] = []
         # A few long "documents" over a 3-letter alphabet: prompts share prefixes and diverge
@@ -52,12 +70,23 @@ class Harness:
     # ---------------------------------------------------------------- operations
 
     def admit(self) -> None:
-        tokens = self.prompt()
-        table = self.kv.admit(tokens)
+        tokens, owner, resumed = self.prompt(), next(self.owners), None
+        if self.swapped and self.rng.random() < 0.3:  # a swapped-out sequence is readmitted
+            owner, resumed = self.swapped.pop(self.rng.randrange(len(self.swapped)))
+            tokens = resumed + [self.rng.randrange(3)]
+        session = self.rng.choice([None, "a", "b", "c"])
+        table = self.kv.admit(tokens, owner, session)
+        if resumed is not None:
+            self.kv.swap_in(owner)
+            self.restored += table.num_tokens == len(resumed)
         expected = max((common_prefix(tokens[:-1], s) for s in self.reference), default=0)
-        assert table.num_tokens == expected or (not self.exact and table.num_tokens < expected), (
-            f"matched {table.num_tokens}, reference {expected}"
-        )
+        if self.host is None:
+            assert table.num_tokens == expected or (not self.exact and table.num_tokens < expected), (
+                f"matched {table.num_tokens}, reference {expected}"
+            )
+        else:
+            assert table.num_tokens <= expected, f"matched {table.num_tokens}, reference {expected}"
+            assert self.cache.cached_prefix_len(tokens[:-1]) == expected, "a tier lost KV"
         self.short_matches += table.num_tokens < expected
         self.live.append((table, tokens))
         self.append(len(self.live) - 1, len(tokens) - table.num_tokens)
@@ -85,20 +114,29 @@ class Harness:
             assert need > available, f"num_available promised {available} blocks, {need} could not be had"
             return
         assert need <= available, f"num_available said {available} blocks, but {need} were had"
-        self.kv.run_copies(self.copy)
+        self.kv.run_transfers(self)
         for (i, n), start in zip(plan, starts, strict=True):
             table, tokens = self.live[i]
             for p in range(start, start + n):
                 self.slots[table.blocks[p // self.B], p % self.B] = tokens[p]
 
-    def copy(self, src: list[int], dst: list[int]) -> None:
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        assert len(set(dst)) == len(dst) and not set(dst) & set(src), "a batch must copy in parallel"
         self.slots[dst] = self.slots[src]
 
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        assert len(set(dst)) == len(dst)
+        self.host_slots[dst] = self.slots[src]
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        assert len(set(dst)) == len(dst)
+        self.slots[dst] = self.host_slots[src]
+
     def step(self) -> None:
-        evicted = self.cache.num_evicted
+        evicted = self.cache.num_evicted, self.host and self.host.num_evicted
         self.operate()
-        if self.cache.num_evicted != evicted:  # explicitly, or to make room for an allocation
-            self.forget_evicted()
+        if (self.cache.num_evicted, self.host and self.host.num_evicted) != evicted:
+            self.forget_evicted()  # explicitly, or to make room for an allocation
 
     def operate(self) -> None:
         op = self.rng.random()
@@ -122,12 +160,20 @@ class Harness:
                 self.reference.append(tokens[:full])
         elif op < 0.8:
             table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
-            if table.num_tokens:
-                self.reference.append(tokens[: table.num_tokens])
-            self.kv.cache_finished(table, tokens)
-        elif op < 0.88:
+            computed, owner = table.num_tokens, table.owner
+            if computed:
+                self.reference.append(tokens[:computed])
+            if self.host is not None and self.rng.random() < 0.5:
+                self.kv.preempt(table, tokens)  # swap: to the host, pinned until readmitted
+                if computed:
+                    self.swapped.append((owner, tokens[:computed]))
+            else:
+                self.kv.cache_finished(table, tokens)
+        elif op < 0.86:
             table, _ = self.live.pop(self.rng.randrange(len(self.live)))
             self.kv.release(table)
+        elif op < 0.88:
+            self.kv.close_session(self.rng.choice(["a", "b", "c"]))
         else:
             self.evict(self.rng.randrange(1, 3 * self.B))
 
@@ -140,8 +186,8 @@ class Harness:
         assert freed == n or (freed < n and self.cache.evictable_size == 0)
 
     def forget_evicted(self) -> None:
-        """Eviction only forgets: whatever the cache still holds was cached before, and the
-        reference now holds just that."""
+        """Eviction only forgets: whatever the cache still holds (on either tier) was cached
+        before, and the reference now holds just that."""
         cached = self.cache.cached_sequences()
         for seq in cached:
             assert any(common_prefix(seq, s) == len(seq) for s in self.reference), "evict invented KV"
@@ -150,6 +196,7 @@ class Harness:
     # ------------------------------------------------------------------ checks
 
     def check(self) -> None:
+        self.kv.run_transfers(self)  # as the engine does before every forward pass
         self.kv.check_invariants(t for t, _ in self.live)
         nodes = [n for n in self.cache.nodes() if n is not self.cache.root and not n.lock_ref]
         unlocked = [b for n in nodes for b in n.blocks]
@@ -157,8 +204,11 @@ class Harness:
         assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
         for table, tokens in self.live:
             assert self.reads_back(tokens[: table.num_tokens], table.blocks), "sequence KV corrupted"
-        for seq, blocks in self.cached_paths():
-            assert self.reads_back(seq, blocks), "cached KV corrupted"
+        for node in self.cache.nodes():
+            if node.blocks:
+                assert self.reads_back(node.tokens, node.blocks), f"cached KV of {node} corrupted"
+            if node.host_blocks:
+                assert self.reads_back(node.tokens, node.host_blocks, self.host_slots), f"host KV of {node}"
         assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
 
     def slot_usage_recount(self) -> tuple[int, int]:
@@ -173,26 +223,44 @@ class Harness:
                 filled[b] = max(filled.get(b, 0), min(self.B, table.num_tokens - i * self.B))
         return sum(filled.values()), (self.kv.pool.num_blocks - self.kv.pool.num_free) * self.B
 
-    def reads_back(self, tokens: list[int], blocks: list[int]) -> bool:
+    def reads_back(self, tokens: list[int], blocks: list[int], slots: np.ndarray | None = None) -> bool:
         pos = np.arange(len(tokens))
-        slots = self.slots[np.asarray(blocks, dtype=np.int64)[pos // self.B], pos % self.B]
-        return np.array_equal(slots, tokens)
-
-    def cached_paths(self):
-        stack = [(self.cache.root, [], [])]
-        while stack:
-            node, toks, blocks = stack.pop()
-            toks, blocks = toks + node.tokens, blocks + node.blocks
-            if not node.children:
-                yield toks, blocks
-            stack.extend((c, toks, blocks) for c in node.children.values())
+        slots = self.slots if slots is None else slots
+        return np.array_equal(slots[np.asarray(blocks, dtype=np.int64)[pos // self.B], pos % self.B], tokens)
 
 
-@pytest.mark.parametrize(("block_size", "seed"), [(1, 0), (16, 1), (64, 2), (4, 3)])
-def test_random_operations_match_the_naive_reference(block_size, seed):
+@pytest.mark.parametrize(
+    ("block_size", "seed", "policy"),
+    [(1, 0, "lru"), (16, 1, "lru"), (64, 2, "lru"), (4, 3, "lru"), (4, 4, "gdsf"), (16, 5, "session")],
+)
+def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
-    h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed)
-    for _ in range(5000):
+    h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
+    run(h, 5000)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "seed", "policy", "host_blocks", "write_through"),
+    [
+        (4, 10, "lru", 40, False),
+        (16, 11, "gdsf", 25, False),
+        (1, 12, "lru", 150, True),
+        (4, 13, "session", 9, True),
+    ],
+)
+def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
+    block_size, seed, policy, host_blocks, write_through
+):
+    """Fake KV written per slot survives offload and load-back bit for bit, on both tiers."""
+    h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
+    run(h, 4000)
+    host = h.host
+    assert host.num_offloaded and host.num_loaded and host.num_evicted, "the host tier was not exercised"
+    assert h.kv.num_swapped_out_blocks and h.restored, "no swapped-out sequence came back whole"
+
+
+def run(h: Harness, steps: int) -> None:
+    for _ in range(steps):
         h.step()
         h.check()
     while h.live:

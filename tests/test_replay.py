@@ -27,6 +27,7 @@ RUN_FIELDS = {
     "preemptions": int,
     "evicted_blocks": int,
     "cow_copies": int,
+    "host_hit_rate": float,
 }
 
 
@@ -92,6 +93,20 @@ def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path,
     # The later turns and sessions find the shared system prompt and the earlier conversation.
     assert 0.5 < on["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
     assert 0 < on["kv_utilization"] <= 1
+
+
+def test_replay_compares_a_squeezed_pool_with_and_without_a_host_tier(model_folders, workload, tmp_path):
+    report_path = tmp_path / "report.json"
+    args = replay_args(workload, model_folders, "--report", str(report_path))
+    args[args.index("4MiB")] = "48KiB"  # 24 blocks of 4 tokens: the sessions evict each other
+    args.remove("--compare")
+    assert main([*args, "--host-kv-cache-memory", "1MiB", "--compare-host-tier"]) == 0
+    report = json.loads(report_path.read_text())
+    validate_report(report)
+    two, one = report["runs"]["prefix_cache"], report["runs"]["no_host_tier"]
+    assert one["host_hit_rate"] == 0 < two["host_hit_rate"] <= two["hit_rate"]
+    assert one["hit_rate"] < two["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
+    assert report["config"]["host_kv_cache_memory"] == "1MiB"
 
 
 def test_replay_plot_is_written(model_folders, workload, tmp_path):

@@ -37,12 +37,18 @@ BLOCK = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
-def engine_pair(folder: Path, kv_bytes: int, rank_kv_bytes: int) -> tuple[Engine, Engine]:
+def engine_pair(
+    folder: Path, kv_bytes: int, rank_kv_bytes: int, host_bytes: int = 0, **kw: object
+) -> tuple[Engine, Engine]:
     """A single-rank and a 2-rank engine over the same weights and the same number of blocks
-    (`rank_kv_bytes` per rank: half of `kv_bytes` when the ranks split the KV heads)."""
-    kw = {"block_size": BLOCK, "device": "cpu"}
-    one = Engine.from_pretrained(folder, kv_cache_memory=kv_bytes, **kw)
-    two = Engine.from_pretrained(folder, kv_cache_memory=rank_kv_bytes, tensor_parallel_size=2, **kw)
+    (`rank_kv_bytes` per rank: half of `kv_bytes` when the ranks split the KV heads; likewise
+    half of `host_bytes` for the host tier)."""
+    kw = {"block_size": BLOCK, "device": "cpu", **kw}
+    one = Engine.from_pretrained(folder, kv_cache_memory=kv_bytes, host_kv_cache_memory=host_bytes, **kw)
+    two = Engine.from_pretrained(
+        folder, kv_cache_memory=rank_kv_bytes, host_kv_cache_memory=host_bytes // 2, tensor_parallel_size=2,
+        **kw,
+    )
     assert isinstance(two.runner, ParallelRunner)
     assert two.pool.num_blocks == one.pool.num_blocks
     for engine in (one, two):
@@ -152,6 +158,19 @@ def test_abort_and_prefix_hits_match_one_rank(llama) -> None:
     assert run(two) == expected
     assert expected[1] == ["length", "abort", "length"]
     assert expected[2][-1] >= len(shared) - BLOCK  # the last prompt hits the shared prefix
+
+
+def test_swap_preemption_through_the_host_tier_matches_one_rank(model_folders) -> None:
+    """Offloads and loads run on every rank, in order with the copies, each over its own heads."""
+    one, two = engine_pair(model_folders["llama"], 96 << 10, 48 << 10, 256 << 10, preemption_mode="swap")
+    with two:
+        batch = prompts(6, seed=2, low=20, high=32)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        expected = [o.token_ids for o in one.generate(batch, params)]
+        assert [o.token_ids for o in two.generate(batch, params)] == expected
+        assert two.metrics()["num_preemptions"] == one.metrics()["num_preemptions"] > 0
+        assert two.metrics()["num_swapped_in_blocks"] == one.metrics()["num_swapped_in_blocks"] > 0
+        no_leaks(two)
 
 
 def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(llama) -> None:

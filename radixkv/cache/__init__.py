@@ -1,27 +1,34 @@
 """The KV cache's books, in pure Python: which physical block holds what, and who holds it.
 
 A fixed pool of refcounted blocks (`BlockPool`), a radix tree of cached token prefixes over them
-(`RadixCache`) with pluggable eviction (`make_policy`), and the per-sequence holds that admission,
-growth, copy-on-write and release go through (`KVCacheManager`, `BlockTable`). Nothing here
+(`RadixCache`) with pluggable eviction (`make_policy`) and an optional host tier behind it
+(`HostTier`), and the per-sequence holds that admission, growth, copy-on-write, preemption and
+release go through (`KVCacheManager`, `BlockTable`). Nothing here
 imports torch, transformers or triton: the tensors the blocks index live with the model runner,
 so the cache can be simulated or embedded on its own.
 """
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks, check_block_size, parse_bytes
 from radixkv.cache.eviction import POLICIES, EvictionPolicy, make_policy
-from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
+from radixkv.cache.kv_cache_manager import NO_DATA, BlockMover, BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import MatchResult, RadixCache, RadixNode
 
 __all__ = [
+    "NO_DATA",
     "POLICIES",
+    "BlockMover",
     "BlockPool",
     "BlockTable",
     "EvictionPolicy",
+    "HostTier",
     "KVCacheManager",
     "MatchResult",
     "OutOfBlocks",
     "RadixCache",
     "RadixNode",
+    "TransferKind",
+    "TransferQueue",
     "check_block_size",
     "make_policy",
     "parse_bytes",

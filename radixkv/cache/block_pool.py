@@ -93,25 +93,25 @@ _UNITS = {
 }
 
 
-def parse_bytes(size: int | str) -> int:
-    """`512MiB`, `2 GiB`, `1.5GB` or a plain integer of bytes."""
+def parse_bytes(size: int | str, field: str = "kv_cache_memory", allow_zero: bool = False) -> int:
+    """`512MiB`, `2 GiB`, `1.5GB` or a plain integer of bytes; errors name `field`."""
     if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
         unit = m and m.group(2).lower()
         if not m or unit not in _UNITS:
-            raise ValueError(f"kv_cache_memory must be bytes or a size like '512MiB', got {size!r}")
+            raise ValueError(f"{field} must be bytes or a size like '512MiB', got {size!r}")
         value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {size!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{field} must be {'>= 0' if allow_zero else 'positive'}, got {size!r}")
     return value
 
 
-def num_blocks_for_budget(budget: int | str, bytes_per_block: int) -> int:
+def num_blocks_for_budget(budget: int | str, bytes_per_block: int, field: str = "kv_cache_memory") -> int:
     """`budget // bytes_per_block`, refusing a budget that holds no block at all."""
-    budget_bytes = parse_bytes(budget)
+    budget_bytes = parse_bytes(budget, field)
     n = budget_bytes // bytes_per_block
     if n < 1:
-        raise ValueError(f"kv_cache_memory {budget!r} holds no KV block ({bytes_per_block} bytes per block)")
+        raise ValueError(f"{field} {budget!r} holds no KV block ({bytes_per_block} bytes per block)")
     return n

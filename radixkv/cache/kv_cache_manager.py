@@ -7,7 +7,8 @@ runs dry the cache is evicted first, and only then `OutOfBlocks` reaches the sch
 preempts. A block that more than one holder references is never written in place: the writer
 gets a fresh block and a pending copy (copy-on-write) that the model runner executes before the
 step's forward pass. Until then the copy keeps a reference on its source, so eviction or a
-release in the same scheduling step can never hand the source to someone else too early.
+release in the same scheduling step can never hand the source to someone else too early. The
+copies share one ordered queue with the host tier's offloads and loads (see `host_tier`).
 
 Every live table is registered under its owner (a request id), so that a failed step can release
 everything a request holds, even tables a half-done update created, and `check_invariants` can
@@ -17,32 +18,85 @@ tell a leaked table from a live one.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
+from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.radix_cache import RadixCache, RadixNode
+
+
+class BlockMover(Protocol):
+    """Moves KV data between blocks; the model runner is one, and `simulate` passes `NO_DATA`.
+    Each call's pairs may be copied in parallel: their destinations are distinct."""
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copies whole device blocks `src[i] -> dst[i]` (none of `dst` is in `src`)."""
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        """Copies device blocks `src[i]` to host blocks `dst[i]`."""
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        """Copies host blocks `src[i]` to device blocks `dst[i]`."""
+
+
+class _NoData:
+    """A mover for the cache's books alone, where blocks hold no data (`radixkv simulate`)."""
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+
+NO_DATA: BlockMover = _NoData()
 
 
 @dataclass(slots=True, eq=False)
 class BlockTable:
     """`blocks[i]` holds positions `[i * block_size, (i + 1) * block_size)`; `num_tokens` slots
-    are filled (or being filled this step). `node`, when set, is the locked cached path."""
+    are filled (or being filled this step). `node`, when set, is the locked cached path.
+    `session`, when set, is the chat session the sequence belongs to: what it caches is tagged
+    with it, for the `session` eviction policy."""
 
     blocks: list[int]
     num_tokens: int = 0
     node: RadixNode | None = None
     owner: object = None  # the request holding it
+    session: str | None = None
+    num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None) -> None:
+    """`preemption_mode`: what a preempted sequence's KV becomes. `recompute`: it is cached in
+    the tree like a finished sequence's, and whatever eviction leaves of it is a hit on
+    resumption. `swap` (needs a host tier): it is cached, moved to the host tier at once, and
+    pinned there until the request is admitted again, so resumption loads all of it and
+    recomputes nothing."""
+
+    def __init__(self, pool: BlockPool, cache: RadixCache | None, preemption_mode: str = "recompute") -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and (cache is None or cache.host is None):
+            raise ValueError("preemption_mode 'swap' needs a host tier (host_kv_cache_memory > 0)")
+        self.preemption_mode = preemption_mode
         self.pool = pool
         self.cache = cache
         self.block_size = pool.block_size
-        self.pending_copies: list[tuple[int, int]] = []
+        self.transfers = cache.transfers if cache is not None else TransferQueue()
         self.num_cow_copies = 0
         self._live: dict[object, set[BlockTable]] = {}  # owner -> its live tables
+        self._swapped: dict[object, list[RadixNode]] = {}  # owner -> locked paths of its swapped KV
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     @property
     def num_available(self) -> int:
@@ -63,16 +117,27 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, tokens: list[int], owner: object = None) -> BlockTable:
+    def admit(self, tokens: list[int], owner: object = None, session: str | None = None) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
-        last token, which is always computed so that its logits exist."""
-        if self.cache is None or len(tokens) < 2:
-            return self._register(BlockTable([], owner=owner))
-        match = self.cache.match_prefix(tokens[:-1])
+        last token, which is always computed so that its logits exist. A `session` is live
+        from its first admission until `close_session`."""
+        if self.cache is None:
+            return self._register(BlockTable([], owner=owner, session=session))
+        if session is not None:
+            self.cache.set_session_live(session, True)
+        if len(tokens) < 2:
+            return self._register(BlockTable([], owner=owner, session=session))
+        match = self.cache.match_prefix(tokens[:-1], session)
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
-        return self._register(BlockTable(list(match.blocks), match.num_tokens, match.node, owner))
+        blocks, loaded = list(match.blocks), match.host_tokens
+        return self._register(BlockTable(blocks, match.num_tokens, match.node, owner, session, loaded))
+
+    def close_session(self, session: str) -> None:
+        """The chat session has no more turns: its cached blocks lose their live-session rank."""
+        if self.cache is not None:
+            self.cache.set_session_live(session, False)
 
     def reserve(self, plan: list[tuple[BlockTable, int]]) -> None:
         """For each `(table, n)`, slots for `n` more tokens at positions `[table.num_tokens, ...)`:
@@ -91,7 +156,8 @@ class KVCacheManager:
             start = table.num_tokens
             if start % B and self.pool.refcount(table.blocks[start // B]) > 1:
                 (fresh,) = self.pool.allocate(1)
-                self.pending_copies.append((table.blocks[start // B], fresh))  # the copy takes our reference
+                # The copy takes our reference on its source until it has run.
+                self.transfers.add(TransferKind.COPY, [table.blocks[start // B]], [fresh])
                 table.blocks[start // B] = fresh
                 self.num_cow_copies += 1
             table.blocks.extend(self.pool.allocate(self.blocks_for(start + n) - len(table.blocks)))
@@ -115,7 +181,8 @@ class KVCacheManager:
             self.pool.incref(b)
         if table.node is not None:
             self.cache.inc_lock(table.node)
-        return self._register(BlockTable(list(table.blocks), table.num_tokens, table.node, table.owner))
+        copy = BlockTable(list(table.blocks), table.num_tokens, table.node, table.owner, table.session)
+        return self._register(copy)
 
     def release(self, table: BlockTable) -> None:
         for b in table.blocks:
@@ -130,15 +197,39 @@ class KVCacheManager:
                 del self._live[table.owner]
 
     def release_owner(self, owner: object) -> None:
-        """Releases every live table of `owner`, uncached: what a failed step left behind."""
+        """Releases every live table of `owner`, uncached: what a failed step left behind; and
+        the locks on its swapped-out KV."""
         for table in list(self._live.get(owner, ())):
             self.release(table)
+        for node in self._swapped.pop(owner, ()):
+            self.cache.unpin(node)
+
+    def preempt(self, table: BlockTable, tokens: list[int]) -> None:
+        """Caches and releases a preempted sequence's table; in `swap` mode also moves its
+        computed KV to the host tier and pins it there for the owner (see `swap_in`)."""
+        computed, owner = table.num_tokens, table.owner
+        self.cache_finished(table, tokens)
+        if self.preemption_mode == "swap" and owner is not None and computed:
+            node, moved = self.cache.swap_out(tokens[:computed])
+            self.num_swapped_out_blocks += moved
+            if node is not None:
+                self._swapped.setdefault(owner, []).append(node)
+
+    def swap_in(self, owner: object) -> None:
+        """The owner was admitted again (its tables matched and loaded its swapped KV): the
+        pins that kept that KV on the host are released."""
+        for node in self._swapped.pop(owner, ()):
+            self.cache.unpin(node)
+        self.num_swapped_in_blocks += sum(
+            self.blocks_for(t.num_loaded_tokens) for t in self._live.get(owner, ())
+        )
 
     def drop_copies(self) -> None:
-        """Forgets the pending copies (a failed step), dropping their source references."""
-        for src, _ in self.pending_copies:
-            self.pool.decref(src)
-        self.pending_copies.clear()
+        """Forgets the pending copy-on-write copies (a failed step), dropping their source
+        references. Offloads and loads stay queued: the tree already counts on them."""
+        for t in self.transfers.drop(TransferKind.COPY):
+            for b in t.src:
+                self.pool.decref(b)
 
     def num_live_tables(self) -> int:
         return sum(len(tables) for tables in self._live.values())
@@ -147,7 +238,7 @@ class KVCacheManager:
         """Caches the sequence's computed tokens (a finished or preempted sequence), then
         releases the table: its next turn, or its own resumption, finds them."""
         if self.cache is not None and table.num_tokens:
-            self.cache.insert(tokens[: table.num_tokens], table.blocks)
+            self.cache.insert(tokens[: table.num_tokens], table.blocks, table.session)
         self.release(table)
 
     def cache_running(self, table: BlockTable, tokens: list[int]) -> None:
@@ -160,8 +251,8 @@ class KVCacheManager:
         locked = table.node.end if table.node is not None else 0
         if full <= locked:
             return
-        self.cache.insert(tokens[:full], table.blocks)
-        match = self.cache.match_prefix(tokens[:full])
+        self.cache.insert(tokens[:full], table.blocks, table.session)
+        match = self.cache.match_prefix(tokens[:full], table.session)
         self.cache.inc_lock(match.node)
         if table.node is not None:
             self.cache.dec_lock(table.node)
@@ -174,43 +265,51 @@ class KVCacheManager:
                 self.pool.decref(table.blocks[i])
                 table.blocks[i] = b
 
-    def run_copies(self, copy: Callable[[list[int], list[int]], None]) -> None:
-        """Executes the pending copies (`copy(src, dst)`), then drops their source references."""
-        if not self.pending_copies:
-            return
-        src, dst = map(list, zip(*self.pending_copies, strict=True))
-        copy(src, dst)
-        self.pending_copies.clear()
-        for b in src:
-            self.pool.decref(b)
+    def run_transfers(self, mover: BlockMover) -> None:
+        """Executes the step's pending block transfers through `mover`, then drops the
+        references they held. The engine calls it before every forward pass and `simulate`
+        after every request (with `NO_DATA`), so both release blocks through the same path."""
+        for t in self.transfers.drain():
+            if t.kind is TransferKind.COPY:
+                mover.copy_blocks(t.src, t.dst)
+                for b in t.src:
+                    self.pool.decref(b)
+            elif t.kind is TransferKind.OFFLOAD:
+                mover.offload(t.src, t.dst)
+            else:
+                mover.load(t.src, t.dst)
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies queued for the next `run_transfers`, as (source, fresh)."""
+        return self.transfers.of_kind(TransferKind.COPY)
 
     def slot_usage(self, tables: Iterable[BlockTable]) -> tuple[int, int]:
         """(token slots holding KV, token slots in blocks in use), with no copies pending. A block
         several holders share counts once, at its fullest.
 
-        O(tables), whatever the number of blocks: every block in use is full but the last block of
-        a table or of a cached leaf. The cache keeps its partly filled leaf blocks and their empty
-        slots up to date (`RadixCache.partial_blocks`); a table's partly filled last block is held
-        by other tables as theirs too (forks), or also by the cache, which holds it partly (a
-        leaf's) or fully (a match that ended inside a cached block): copy-on-write guarantees no
-        one has written past what the block's fullest holder holds. A reference beyond the tables'
-        is the cache's (no copies pending).
+        O(tables + partly filled cached blocks), whatever the number of blocks: every block in
+        use is full but the last block of a table or of a cached node. The cache keeps its partly
+        filled blocks up to date (`RadixCache.partial_blocks`). A holder of a partly filled block
+        that is neither the cache nor a table ending in it holds it whole: another table that
+        wrote past it (copy-on-write keeps the shared slots equal), or the cache, when a match
+        ended inside one of its blocks. Without copies pending, every reference is one of these.
         """
         B = self.block_size
-        cache = self.cache
-        partial = cache.partial_blocks if cache is not None else {}
-        empty = cache.partial_empty_slots if cache is not None else 0
-        fill: dict[int, int] = {}
+        partial = self.cache.partial_blocks if self.cache is not None else {}
+        fill: dict[int, int] = {}  # a table's partly filled last block -> its fullest such holder
         holders: dict[int, int] = {}
         for table in tables:
             if table.num_tokens % B:
                 last = table.blocks[-1]
                 fill[last] = max(fill.get(last, 0), table.num_tokens % B)
                 holders[last] = holders.get(last, 0) + 1
+        empty = 0
+        for block, filled in partial.items():
+            if self.pool.refcount(block) == 1 + holders.get(block, 0):
+                empty += B - max(filled, fill.get(block, 0))
         for block, filled in fill.items():
-            if block in partial:  # also a cached leaf's last block: the fuller of the two counts
-                empty += partial[block] - max(filled, partial[block])
-            elif self.pool.refcount(block) == holders[block]:  # the tables' alone
+            if block not in partial and self.pool.refcount(block) == holders[block]:
                 empty += B - filled
         slots = (self.pool.num_blocks - self.pool.num_free) * B
         return slots - empty, slots
@@ -230,18 +329,31 @@ class KVCacheManager:
             while node is not None and node.parent is not None:
                 locks[node.id] += 1
                 node = node.parent
+        pins = Counter(n.id for nodes in self._swapped.values() for n in nodes)
         if self.cache is not None:
             self.cache.check_invariants()
             refs.update(self.cache.referenced_blocks())
             for node in self.cache.nodes():
                 if node is not self.cache.root:
                     assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
+                    assert node.host_pin == pins[node.id], f"{node} host_pin, swapped holds {pins[node.id]}"
         free = self.pool.free_blocks()
         assert len(set(free)) == len(free), "a block is on the free list twice"
         for b in range(self.pool.num_blocks):
             count = self.pool.refcount(b)
             assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
         assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+        host = self.cache.host if self.cache is not None else None
+        if host is not None:
+            held = Counter(self.cache.referenced_host_blocks())
+            host_free = host.pool.free_blocks()
+            assert len(set(host_free)) == len(host_free), "a host block is on the free list twice"
+            for b in range(host.pool.num_blocks):
+                count = host.pool.refcount(b)
+                assert count == held[b], f"host block {b}: refcount {count}, but {held[b]} nodes hold it"
+            assert set(host_free) == {b for b in range(host.pool.num_blocks) if not held[b]}, (
+                "host free list is wrong"
+            )
 
     def _register(self, table: BlockTable) -> BlockTable:
         self._live.setdefault(table.owner, set()).add(table)

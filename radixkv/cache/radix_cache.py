@@ -13,22 +13,32 @@ matches whole, the children that share the next token are scanned for the longes
 inside that block; that happens at most once per lookup, at its end.
 
 Locking a node (and so its path to the root) keeps its blocks from eviction; `evictable_size`
-and `protected_size` (in blocks) are kept exact as locks move, so admission can trust them.
+and `protected_size` (device blocks) are kept exact as locks move, so admission can trust them.
 Eviction trims unlocked leaves from their tail, least valuable first under a pluggable policy.
+
+With a host tier (`HostTier`) each node knows where its KV lives: on the device (`blocks`), on
+the host (`host_blocks`), or both. Device residency is closed under prefixes (a node on the
+device has its parent there too), so device eviction takes nodes with no child on the device,
+and moves them to the host instead of dropping them; a match through host-only nodes loads them
+back into fresh device blocks, top down, as far as device blocks can be had (freeing their host
+copies unless the tier writes through). The host pool evicts
+whole nodes by its own policy: a node's host copy when the node is also on the device, or a
+host-only node with no children.
 """
 
 from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import xxhash
 from sortedcontainers import SortedList
 
 from radixkv.cache.block_pool import BlockPool
-from radixkv.cache.eviction import LRU, EvictionPolicy
+from radixkv.cache.eviction import LRU, EvictionPolicy, SessionAware
+from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
 
 
 class RadixNode:
@@ -36,11 +46,18 @@ class RadixNode:
         "blocks",
         "by_first",
         "children",
+        "device_children",
         "hits",
+        "host_blocks",
+        "host_pin",
         "id",
+        "in_host_set",
+        "in_leaf_set",
         "last_access",
         "lock_ref",
         "parent",
+        "priority",
+        "session",
         "start",
         "tokens",
     )
@@ -58,12 +75,19 @@ class RadixNode:
         self.parent = parent
         self.start = start  # tokens before this edge; a multiple of block_size
         self.tokens = tokens
-        self.blocks = blocks
+        self.blocks = blocks  # device blocks; empty when the KV lives on the host only
+        self.host_blocks: list[int] = []  # host blocks; empty when there is no host copy
+        self.host_pin = 0  # swapped-out sequences ending here: the host tier must not evict it
         self.children: dict[int, RadixNode] = {}  # xxhash of the child's first block of tokens
         self.by_first: dict[int, list[RadixNode]] = {}  # the child's first token -> children
+        self.device_children = 0  # children with device blocks
         self.lock_ref = 0
         self.last_access = last_access
         self.hits = 0
+        self.priority = 0.0  # the eviction policy's own score, set in its `touched`
+        self.session: str | None = None  # the chat session that last touched this node
+        self.in_leaf_set = False  # among the device-evictable leaves
+        self.in_host_set = False  # among the host-evictable nodes
 
     @property
     def end(self) -> int:
@@ -71,20 +95,23 @@ class RadixNode:
 
     def __repr__(self) -> str:
         span = f"[{self.start}, {self.end})"
-        return f"RadixNode(id={self.id}, {span}, blocks={self.blocks}, lock={self.lock_ref})"
+        where = f"blocks={self.blocks}, host={self.host_blocks}"
+        return f"RadixNode(id={self.id}, {span}, {where}, lock={self.lock_ref})"
 
 
 class MatchResult(NamedTuple):
-    """The longest cached prefix of a query.
+    """The longest cached prefix of a query that is on the device (after loading host blocks).
 
     `blocks` covers `ceil(num_tokens / block_size)` blocks. When `num_tokens` is not a multiple
     of the block size the last block is only partly matched: share it, and the first write
     copies it. `node` ends exactly at the last whole matched block; lock it to keep those blocks.
+    `host_tokens` of them were loaded from the host tier by this match.
     """
 
     node: RadixNode
     num_tokens: int
     blocks: list[int]
+    host_tokens: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -101,82 +128,114 @@ def block_key(tokens: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool, policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, policy: EvictionPolicy | None = None, host: HostTier | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.policy = policy or LRU()
+        self.host = host
+        if host is not None and host.pool.block_size != pool.block_size:
+            raise ValueError("the host tier's block size must be the device pool's")
+        self.transfers = TransferQueue()  # shared with the KVCacheManager: one order for all
         self._ids = itertools.count()
         self._clock = 0
         self.root = RadixNode(next(self._ids), None, 0, [], [], 0)
         self.root.lock_ref = 1  # the root is never evictable
-        self._leaves = SortedList(key=self._leaf_key)  # unlocked leaves, next to evict first
-        self.evictable_size = 0  # blocks of unlocked nodes
-        self.protected_size = 0  # blocks of locked nodes
-        self.num_evicted = 0
-        self._node_of: dict[int, RadixNode] = {}  # cached block -> the node holding it
-        # The last block of each leaf that ends inside it, with its token count, and the empty
-        # slots of all of them: every other cached block is full, so a usage meter needs only
-        # these (KVCacheManager.slot_usage).
+        self._leaves = SortedList(key=self._leaf_key)  # device-evictable nodes, next to go first
+        self._host_nodes = SortedList(key=self._host_key)  # host-evictable nodes, next first
+        self.evictable_size = 0  # device blocks of unlocked nodes
+        self.protected_size = 0  # device blocks of locked nodes
+        self.num_evicted = 0  # blocks that left the device (to the host, or dropped)
+        self.live_sessions: set[str] = set()  # the policy's own set when it ranks by session
+        if isinstance(self.policy, SessionAware):
+            self.live_sessions = self.policy.live
+        self._node_of: dict[int, RadixNode] = {}  # cached device block -> the node holding it
+        # The last device block of each node that ends inside it, with its token count: every
+        # other cached block is full, so a usage meter needs only these (KVCacheManager.slot_usage).
         self.partial_blocks: dict[int, int] = {}
-        self.partial_empty_slots = 0
 
     # ----------------------------------------------------------------- lookups
 
-    def match_prefix(self, tokens: list[int]) -> MatchResult:
+    def match_prefix(self, tokens: list[int], session: str | None = None) -> MatchResult:
         """Longest cached prefix of `tokens`, token-granular. Splits a node so that the result's
-        node ends at the last whole matched block (exact locking)."""
+        node ends at the last whole matched block (exact locking). `session` tags the matched
+        nodes as that chat session's (for the `session` policy). Host-only nodes on the path
+        are loaded back to the device, as many as device blocks can be had for."""
         self._clock += 1
-        node, pos, child, common = self._walk(tokens, touch=True)
+        node, pos, child, common = self._walk(tokens, touch=True, session=session)
         matched = pos + common
         full = matched - matched % self.block_size
         partial: RadixNode | None = None
         if child is not None:
             if full > pos:
                 node = self._split(child, full - pos)
-                self._touch(node)
+                self._touch(node, session)
             if matched > full:
                 partial = child
         elif pos > full:  # a leaf that ends inside its last block, matched whole
             partial = node
             node = self._split(node, full - node.start) if full > node.start else node.parent
+        host_tokens = 0
+        on_host = node is not self.root and not node.blocks
+        if self.host is not None and (on_host or (partial is not None and not partial.blocks)):
+            anchor = partial if partial is not None else node
+            self.inc_lock(anchor)  # loads evict: keep the whole match, partial block included
+            if on_host:
+                deepest, host_tokens = self._load_path(node)
+                if deepest is not node:
+                    node, partial = deepest, None
+            if partial is not None and not partial.blocks:  # a partly matched block on the host
+                if len(partial.tokens) > self.block_size:
+                    partial = self._split(partial, self.block_size)
+                loaded, _ = self._load_path(partial)
+                if loaded is partial:
+                    host_tokens += matched - full
+                else:
+                    partial = None
+            self.dec_lock(anchor)
         blocks = self._path_blocks(node)
         if partial is not None:
             blocks.append(partial.blocks[0])
-        return MatchResult(node, matched, blocks)
+            self._rekey(partial)  # its first block is read now, though the node is not matched whole
+        return MatchResult(node, node.end if partial is None else matched, blocks, host_tokens)
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` are cached; changes nothing (no split, no touch)."""
+        """How many leading tokens of `tokens` are cached, on either tier; changes nothing."""
         _, pos, _, common = self._walk(tokens, touch=False)
         return pos + common
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> InsertResult:
+    def insert(self, tokens: list[int], blocks: list[int], session: str | None = None) -> InsertResult:
         """Caches `tokens` whose KV is in `blocks` (at least `ceil(len(tokens) / block_size)`).
 
         The cache takes its own reference on each block it keeps; the caller keeps its own and
-        drops them as usual. Where the cache already holds a prefix, its blocks stay and the
-        caller's are reported redundant. A leaf that ends inside a block and is extended takes
-        the caller's fuller copy of that block in place of its own.
+        drops them as usual. Where the cache already holds a prefix on the device, its blocks
+        stay and the caller's are reported redundant; where it holds it on the host only, the
+        node takes the caller's blocks as its device copy. A leaf that ends inside a block and
+        is extended takes the caller's fuller copy of that block in place of its own.
         """
         n = len(tokens)
         nb = -(-n // self.block_size)
         if len(blocks) < nb:
             raise ValueError(f"{n} tokens need {nb} blocks, got {len(blocks)}")
         self._clock += 1
-        node, pos, child, common = self._walk(tokens, touch=True)
+        node, pos, child, common = self._walk(tokens, touch=True, session=session)
         num_cached = pos + common
         B = self.block_size
+        self._adopt_path(node, blocks)
         if pos < n:
             if child is None and pos % B:
                 self._extend_leaf(node, tokens[pos:], blocks[pos // B : nb])
             elif child is None:
-                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb])
+                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb], session)
             elif pos + common < n:
                 at = common - common % B
                 parent = node
                 if at:
                     parent = self._split(child, at)
-                    self._touch(parent)
-                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb])
+                    self._touch(parent, session)
+                    self._adopt_path(parent, blocks)
+                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb], session)
         cached = self._blocks_along(tokens, nb)
         redundant = [b for b, c in zip(blocks[:nb], cached, strict=False) if b != c]
         return InsertResult(num_cached, redundant)
@@ -187,10 +246,9 @@ class RadixCache:
         """Protects `node` and its ancestors from eviction; pair with `dec_lock`."""
         while node is not self.root:
             if node.lock_ref == 0:
+                self._detach(node)
                 self.evictable_size -= len(node.blocks)
                 self.protected_size += len(node.blocks)
-                if not node.children:
-                    self._leaves.remove(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -202,32 +260,90 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.blocks)
                 self.protected_size -= len(node.blocks)
-                if not node.children:
-                    self._leaves.add(node)
+                self._attach(node)
             node = node.parent
 
     def evict(self, num_blocks: int) -> int:
-        """Frees blocks from unlocked leaves, trimming each from its tail, until `num_blocks`
-        are free or nothing is evictable. Returns how many blocks it freed. A block that a live
-        sequence still references loses only the cache's reference and is not counted."""
+        """Frees device blocks from unlocked leaves, trimming each from its tail, until
+        `num_blocks` are free or nothing is evictable. Returns how many blocks it freed. A block
+        that a live sequence still references loses only the cache's reference and is not
+        counted. With a host tier the evicted blocks' KV moves to the host (when the node has no
+        host copy yet) and the node stays in the tree."""
         freed = 0
         while freed < num_blocks and self._leaves:
-            leaf = self._leaves.pop(0)
-            take = min(num_blocks - freed, len(leaf.blocks))
+            leaf = self._leaves[0]
+            self._detach(leaf)
+            self.policy.evicted(leaf)
+            take = min(num_blocks - freed, 1 if self.policy.keys_blocks else len(leaf.blocks))
             keep = len(leaf.blocks) - take
+            if self.host is not None:
+                if keep:
+                    upper = self._split(leaf, keep * self.block_size)
+                    self._refresh(upper, self.policy.trimmed)
+                    self._detach(leaf)
+                freed += self._move_to_host(leaf)
+                continue
+            self._forget_partial(leaf)  # its last block is among those taken
             for block in leaf.blocks[keep:]:
                 freed += self.pool.decref(block)
                 del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
-            self._forget_partial(leaf)  # its last block is among those taken
             if keep:
                 del leaf.blocks[keep:]
                 del leaf.tokens[keep * self.block_size :]
-                self._leaves.add(leaf)
+                self.policy.trimmed(leaf)
+                self._attach(leaf)
             else:
-                self._remove_leaf(leaf)
+                self._remove(leaf)
         return freed
+
+    def swap_out(self, tokens: list[int]) -> tuple[RadixNode | None, int]:
+        """Moves the cached path of `tokens` (just inserted) to the host tier, from its end up,
+        as far as its nodes are evictable (a prefix that other sequences hold stays), and pins
+        its last node on the host: the host policy never evicts it, nor (having children) the
+        host-only nodes above it. Device nodes above it are evicted as usual, to the host; only
+        a host tier full of pinned KV drops them (their sequences recompute). Returns the pinned
+        node (None when nothing of it is cached) and the device blocks written to the host.
+        Pair with `unpin`. No device block stays locked for a sequence that is not running, so
+        swapped requests can never hold the device pool against their own readmission."""
+        offloaded = self.host.num_offloaded
+        node, *_ = self._walk(tokens, touch=False)
+        while node is not self.root and node.in_leaf_set:
+            parent = node.parent
+            self._detach(node)
+            self._move_to_host(node)
+            node = parent
+        node, *_ = self._walk(tokens, touch=False)
+        if node is self.root:
+            return None, self.host.num_offloaded - offloaded
+        self._refresh(node, _pin)
+        return node, self.host.num_offloaded - offloaded
+
+    def unpin(self, node: RadixNode) -> None:
+        """Ends a `swap_out` pin (the node may have left the tree meanwhile)."""
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is self.root:
+            self._refresh(node, _unpin)
+        else:
+            _unpin(node)
+
+    def set_session_live(self, session: str, live: bool) -> None:
+        """Marks a chat session live (it has more turns to come) or closed. Evictable leaves the
+        session last touched are re-keyed, as the `session` policy ranks them by it."""
+        if (session in self.live_sessions) == live:
+            return
+        moved = [n for n in self._leaves if n.session == session]
+        for node in moved:
+            self._detach(node)
+        if live:
+            self.live_sessions.add(session)
+        else:
+            self.live_sessions.discard(session)
+        for node in moved:
+            self._attach(node)
 
     # ----------------------------------------------------------- inspection
 
@@ -255,21 +371,33 @@ class RadixCache:
     def referenced_blocks(self) -> list[int]:
         return [b for node in self.nodes() for b in node.blocks]
 
+    def referenced_host_blocks(self) -> list[int]:
+        return [b for node in self.nodes() for b in node.host_blocks]
+
     def check_invariants(self) -> None:
-        """Structure, keys, sizes and the evictable set agree with a recount from scratch."""
+        """Structure, keys, residency, sizes and both evictable sets agree with a recount."""
         B = self.block_size
         evictable = protected = 0
-        leaves = set()
+        leaves, host_nodes = set(), set()
         partial: dict[int, int] = {}
         seen: set[int] = set()
+        seen_host: set[int] = set()
         for node in self.nodes():
+            assert node.device_children == sum(bool(c.blocks) for c in node.children.values()), (
+                f"{node} miscounts its children on the device"
+            )
             if node is self.root:
                 continue
             p = node.parent
+            nb = -(-len(node.tokens) // B)
             assert p is not None and node.start == p.end, f"{node} does not start where its parent ends"
             assert node.start % B == 0, f"{node} starts inside a block"
             assert node.tokens, f"{node} has an empty edge"
-            assert len(node.blocks) == -(-len(node.tokens) // B), f"{node} has the wrong number of blocks"
+            assert node.blocks or node.host_blocks, f"{node} has its KV nowhere"
+            assert len(node.blocks) in (0, nb), f"{node} has the wrong number of blocks"
+            assert len(node.host_blocks) in (0, nb), f"{node} has the wrong number of host blocks"
+            assert not node.host_blocks or self.host is not None, f"{node} is on a host tier that is off"
+            assert not node.blocks or p is self.root or p.blocks, f"{node} is on the device, its parent not"
             assert not node.children or node.end % B == 0, f"inner {node} ends inside a block"
             assert p.children.get(block_key(node.tokens[:B])) is node, f"{node} is not under its key"
             assert node in p.by_first[node.tokens[0]], f"{node} is missing from its first-token index"
@@ -279,14 +407,19 @@ class RadixCache:
                 assert self._node_of.get(b) is node, f"block {b} is not mapped to {node}"
                 assert self.pool.refcount(b) >= 1, f"cached block {b} is free"
                 seen.add(b)
-            if len(node.tokens) % B:
+            for b in node.host_blocks:
+                assert b not in seen_host, f"host block {b} is held by two nodes"
+                seen_host.add(b)
+            if node.blocks and len(node.tokens) % B:
                 partial[node.blocks[-1]] = len(node.tokens) % B
             if node.lock_ref:
                 protected += len(node.blocks)
             else:
                 evictable += len(node.blocks)
-                if not node.children:
-                    leaves.add(node.id)
+            if self._device_evictable(node):
+                leaves.add(node.id)
+            if self.host is not None and self._host_evictable(node):
+                host_nodes.add(node.id)
         assert len(self._node_of) == len(seen), "the block map holds blocks no node has"
         for node in self.nodes():
             assert sum(len(v) for v in node.by_first.values()) == len(node.children), f"{node} index"
@@ -294,15 +427,56 @@ class RadixCache:
             f"sizes {self.evictable_size}/{self.protected_size}, recount {evictable}/{protected}"
         )
         assert {n.id for n in self._leaves} == leaves, "evictable leaf set is stale"
+        assert {n.id for n in self._host_nodes} == host_nodes, "host-evictable set is stale"
         assert partial == self.partial_blocks, "partly filled cached blocks are miscounted"
-        assert self.partial_empty_slots == sum(B - f for f in partial.values()), "empty slots miscounted"
         keys = [self._leaf_key(n) for n in self._leaves]
         assert keys == sorted(keys), "evictable leaves are out of order"
+        keys = [self._host_key(n) for n in self._host_nodes]
+        assert keys == sorted(keys), "host-evictable nodes are out of order"
 
     # ------------------------------------------------------------ internals
 
     def _leaf_key(self, node: RadixNode) -> tuple:
         return (self.policy.key(node), node.id)
+
+    def _host_key(self, node: RadixNode) -> tuple:
+        return (self.host.policy.key(node), node.id)
+
+    def _device_evictable(self, node: RadixNode) -> bool:
+        return node.lock_ref == 0 and bool(node.blocks) and node.device_children == 0
+
+    def _host_evictable(self, node: RadixNode) -> bool:
+        return (
+            node.lock_ref == 0
+            and node.host_pin == 0
+            and bool(node.host_blocks)
+            and (bool(node.blocks) or not node.children)
+        )
+
+    def _detach(self, node: RadixNode) -> None:
+        """Takes `node` out of the evictable sets, before anything its keys read changes."""
+        if node.in_leaf_set:
+            self._leaves.remove(node)
+            node.in_leaf_set = False
+        if node.in_host_set:
+            self._host_nodes.remove(node)
+            node.in_host_set = False
+
+    def _attach(self, node: RadixNode) -> None:
+        """Puts `node` back into the evictable sets it now belongs to."""
+        if node is self.root:
+            return
+        if not node.in_leaf_set and self._device_evictable(node):
+            self._leaves.add(node)
+            node.in_leaf_set = True
+        if not node.in_host_set and self.host is not None and self._host_evictable(node):
+            self._host_nodes.add(node)
+            node.in_host_set = True
+
+    def _refresh(self, node: RadixNode, change: Callable[[RadixNode], None]) -> None:
+        self._detach(node)
+        change(node)
+        self._attach(node)
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every node, the root included, in no particular order."""
@@ -312,7 +486,9 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _walk(self, tokens: list[int], touch: bool) -> tuple[RadixNode, int, RadixNode | None, int]:
+    def _walk(
+        self, tokens: list[int], touch: bool, session: str | None = None
+    ) -> tuple[RadixNode, int, RadixNode | None, int]:
         """Follows whole edges from the root. Returns (node, pos, child, common): `node` ends at
         `pos`, and `child` is the child of `node` whose edge matches only its first `common`
         tokens (None when no child matches at all)."""
@@ -324,7 +500,7 @@ class RadixCache:
             if common < len(child.tokens):
                 return node, pos, child, common
             if touch:
-                self._touch(child)
+                self._touch(child, session)
             node, pos = child, pos + common
         return node, pos, None, 0
 
@@ -341,14 +517,18 @@ class RadixCache:
                 best, best_len = cand, k
         return best, best_len
 
-    def _touch(self, node: RadixNode) -> None:
-        in_set = node.lock_ref == 0 and not node.children
-        if in_set:
-            self._leaves.remove(node)
+    def _touch(self, node: RadixNode, session: str | None) -> None:
+        self._detach(node)
         node.last_access = self._clock
         node.hits += 1
-        if in_set:
-            self._leaves.add(node)
+        if session is not None:
+            node.session = session
+        self.policy.touched(node)
+        self._attach(node)
+
+    def _rekey(self, node: RadixNode) -> None:
+        """Lets the policy look at `node` again without counting an access."""
+        self._refresh(node, self.policy.touched)
 
     def _path_blocks(self, node: RadixNode) -> list[int]:
         parts = []
@@ -377,20 +557,24 @@ class RadixCache:
         if not siblings:
             del parent.by_first[node.tokens[0]]
 
-    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int]) -> None:
+    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], session: str | None) -> None:
         key = block_key(tokens[: self.block_size])
         if key in parent.children:
             return  # a 64-bit hash collision: leave this run uncached rather than risk mixing KV
-        if not parent.children and parent is not self.root and parent.lock_ref == 0:
-            self._leaves.remove(parent)
+        self._detach(parent)
         node = RadixNode(next(self._ids), parent, parent.end, tokens, list(blocks), self._clock)
+        node.session = session
         self._link(parent, node, key)
+        parent.device_children += 1
         for b in blocks:
             self.pool.incref(b)
             self._node_of[b] = node
         self.evictable_size += len(blocks)
-        self._leaves.add(node)
         self._note_partial(node)
+        self.policy.touched(node)
+        self._attach(parent)
+        self._attach(node)
+        self._write_through(node)
 
     def _extend_leaf(self, leaf: RadixNode, tokens: list[int], blocks: list[int]) -> None:
         """`leaf` ends inside its last block; `blocks[0]` holds that block's tokens and more."""
@@ -399,8 +583,9 @@ class RadixCache:
         sibling = leaf.parent.children.get(key)
         if sibling is not None and sibling is not leaf:
             return  # a hash collision, as in _add_leaf
-        self._leaves.remove(leaf)
+        self._detach(leaf)
         self._unlink(leaf)
+        self._free_host_copy(leaf)  # its last block is about to hold more than the host copy
         self._forget_partial(leaf)
         if blocks[0] != leaf.blocks[-1]:
             self.pool.incref(blocks[0])
@@ -413,46 +598,213 @@ class RadixCache:
             self._node_of[b] = leaf
         leaf.blocks.extend(blocks[1:])
         leaf.tokens.extend(tokens)
+        self.policy.touched(leaf)  # its end moved (the walk touched it already)
         self.evictable_size += len(blocks) - 1
         self._link(leaf.parent, leaf, key)
-        self._leaves.add(leaf)
         self._note_partial(leaf)
+        self._attach(leaf)
+        self._write_through(leaf)
 
-    def _note_partial(self, leaf: RadixNode) -> None:
-        filled = len(leaf.tokens) % self.block_size
-        if filled:
-            self.partial_blocks[leaf.blocks[-1]] = filled
-            self.partial_empty_slots += self.block_size - filled
+    def _note_partial(self, node: RadixNode) -> None:
+        filled = len(node.tokens) % self.block_size
+        if filled and node.blocks:
+            self.partial_blocks[node.blocks[-1]] = filled
 
-    def _forget_partial(self, leaf: RadixNode) -> None:
-        filled = self.partial_blocks.pop(leaf.blocks[-1], None) if leaf.blocks else None
-        if filled is not None:
-            self.partial_empty_slots -= self.block_size - filled
+    def _forget_partial(self, node: RadixNode) -> None:
+        if node.blocks:
+            self.partial_blocks.pop(node.blocks[-1], None)
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cuts `node`'s edge after `at` tokens (a block multiple) and returns the new upper
         half, which takes `node`'s place under the same key; `node` keeps the rest."""
         B = self.block_size
         parent, nb = node.parent, at // B
+        self._detach(node)
         mid = RadixNode(
             next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb], node.last_access
         )
+        mid.host_blocks = node.host_blocks[:nb]
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
+        mid.priority, mid.session = node.priority, node.session
         for b in mid.blocks:
             self._node_of[b] = mid
         parent.children[block_key(mid.tokens[:B])] = mid
         siblings = parent.by_first[mid.tokens[0]]
         siblings[siblings.index(node)] = mid
-        node.tokens, node.blocks, node.start = node.tokens[at:], node.blocks[nb:], node.start + at
+        node.tokens, node.start = node.tokens[at:], node.start + at
+        node.blocks, node.host_blocks = node.blocks[nb:], node.host_blocks[nb:]
         self._link(mid, node, block_key(node.tokens[:B]))
+        mid.device_children = int(bool(node.blocks))
+        self._attach(node)
+        self._attach(mid)
         return mid
 
-    def _remove_leaf(self, leaf: RadixNode) -> None:
-        self._forget_partial(leaf)
-        parent = leaf.parent
-        self._unlink(leaf)
-        if not parent.children and parent is not self.root and parent.lock_ref == 0:
-            self._leaves.add(parent)
+    def _remove(self, node: RadixNode) -> None:
+        """Takes a childless node out of the tree; its blocks are already released."""
+        parent = node.parent
+        self._detach(node)
+        self._detach(parent)
+        self._unlink(node)
+        node.parent = None  # out of the tree
+        if node.blocks:
+            parent.device_children -= 1
+        self._attach(parent)
+
+    # ------------------------------------------------------------- host tier
+
+    def _move_to_host(self, node: RadixNode) -> int:
+        """Device eviction of a detached, unlocked `node` with no child on the device: its KV is
+        written to the host (unless a host copy exists) and its device blocks are released.
+        When the host cannot take it, the node and its host-only subtree are dropped. Returns
+        the device blocks freed."""
+        if not node.host_blocks:
+            host_blocks = self._allocate_host(len(node.blocks))
+            self._detach(node)  # host eviction may have dropped a child and re-attached it
+            if host_blocks is None:
+                return self._drop_subtree(node)
+            node.host_blocks = host_blocks
+            self.transfers.add(TransferKind.OFFLOAD, node.blocks, host_blocks)
+            self.host.num_offloaded += len(host_blocks)
+        freed = self._release_device_blocks(node)
+        node.blocks = []
+        self._refresh(node.parent, _one_device_child_less)
+        self._attach(node)
+        return freed
+
+    def _release_device_blocks(self, node: RadixNode) -> int:
+        """Drops the cache's references on an unlocked node's device blocks; returns those freed."""
+        self._forget_partial(node)
+        for b in node.blocks:
+            del self._node_of[b]
+        self.evictable_size -= len(node.blocks)
+        self.num_evicted += len(node.blocks)
+        return sum(self.pool.decref(b) for b in node.blocks)
+
+    def _allocate_host(self, n: int) -> list[int] | None:
+        """`n` host blocks, evicting host copies by the host policy; None when not possible."""
+        pool = self.host.pool
+        if n > pool.num_blocks:
+            return None
+        while pool.num_free < n and self._host_nodes:
+            self._drop_host_copy(self._host_nodes[0])
+        if pool.num_free < n:
+            return None
+        return pool.allocate(n)
+
+    def _drop_host_copy(self, node: RadixNode) -> None:
+        """Host eviction: a node on both tiers keeps its device copy; a host-only node (it has
+        no children) leaves the tree."""
+        self._detach(node)
+        self.host.num_evicted += len(node.host_blocks)
+        self._free_host_copy(node)
+        if node.blocks:
+            self._attach(node)
+        else:
+            self._remove(node)
+
+    def _free_host_copy(self, node: RadixNode) -> None:
+        for b in node.host_blocks:
+            self.host.pool.decref(b)
+        node.host_blocks = []
+
+    def _drop_subtree(self, node: RadixNode) -> int:
+        """Drops `node` (detached, on the device, unlocked) and its host-only descendants."""
+        stack = list(node.children.values())
+        while stack:
+            d = stack.pop()
+            stack.extend(d.children.values())
+            self._detach(d)
+            self.host.num_evicted += len(d.host_blocks)
+            self._free_host_copy(d)
+        freed = self._release_device_blocks(node)
+        self._remove(node)
+        node.blocks, node.children, node.by_first = [], {}, {}
+        return freed
+
+    def _load_path(self, node: RadixNode) -> tuple[RadixNode, int]:
+        """Loads the host-only nodes on the path to `node`, top down, while device blocks can be
+        had. Returns the deepest node of the path on the device and the tokens loaded."""
+        path = []
+        top = node
+        while top is not self.root and not top.blocks:
+            path.append(top)
+            top = top.parent
+        self.inc_lock(node)  # nothing on the path is evicted to make room for the rest of it
+        loaded = 0
+        for h in reversed(path):
+            need = len(h.host_blocks)
+            if need > self.pool.num_free:
+                self.evict(need - self.pool.num_free)
+            if need > self.pool.num_free:
+                break
+            blocks = self.pool.allocate(need)  # the node's own reference
+            self.transfers.add(TransferKind.LOAD, h.host_blocks, blocks)
+            self.host.num_loaded += need
+            self._set_device_blocks(h, blocks)
+            if not self.host.write_through:
+                self._refresh(h, self._free_host_copy)
+            loaded += len(h.tokens)
+            top = h
+        self.dec_lock(node)
+        return top, loaded
+
+    def _adopt_path(self, node: RadixNode, blocks: list[int]) -> None:
+        """The caller computed the KV of every node on the path to `node`: host-only ones take
+        the caller's blocks as their device copy (a reference each), top down."""
+        if self.host is None:
+            return
+        path = []
+        while node is not self.root and not node.blocks:
+            path.append(node)
+            node = node.parent
+        B = self.block_size
+        for h in reversed(path):
+            own = blocks[h.start // B : h.start // B + len(h.host_blocks)]
+            for b in own:
+                self.pool.incref(b)
+            self._set_device_blocks(h, own)
+
+    def _set_device_blocks(self, node: RadixNode, blocks: list[int]) -> None:
+        self._detach(node)
+        node.blocks = list(blocks)
+        for b in blocks:
+            self._node_of[b] = node
+        if node.lock_ref:
+            self.protected_size += len(blocks)
+        else:
+            self.evictable_size += len(blocks)
+        self._note_partial(node)
+        self._refresh(node.parent, _one_device_child_more)
+        self._attach(node)
+
+    def _write_through(self, node: RadixNode) -> None:
+        """With write-through, a node newly cached on the device gets its host copy now."""
+        if self.host is None or not self.host.write_through or node.host_blocks:
+            return
+        self._detach(node)  # out of the host set while the host pool makes room
+        host_blocks = self._allocate_host(len(node.blocks))
+        self._detach(node)
+        if host_blocks is not None:
+            node.host_blocks = host_blocks
+            self.transfers.add(TransferKind.OFFLOAD, node.blocks, host_blocks)
+            self.host.num_offloaded += len(host_blocks)
+        self._attach(node)
+
+
+def _pin(node: RadixNode) -> None:
+    node.host_pin += 1
+
+
+def _unpin(node: RadixNode) -> None:
+    node.host_pin -= 1
+
+
+def _one_device_child_less(node: RadixNode) -> None:
+    node.device_children -= 1
+
+
+def _one_device_child_more(node: RadixNode) -> None:
+    node.device_children += 1
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

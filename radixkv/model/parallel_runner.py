@@ -10,8 +10,9 @@ per process with torch, transformers and radixkv imported (about 10 s here); eve
 is a fork of it (under a second), and, the server never having touched a device, CUDA works in
 them as with spawn.
 
-Each step is one message per worker, pickled once: the block copies made since the last step
-(run here at once, sent with the next forward) and the step's chunks, from which every rank
+Each step is one message per worker, pickled once: the block transfers made since the last step
+(copy-on-write copies and host-tier offloads and loads, run here at once and sent, in order,
+with the next forward) and the step's chunks, from which every rank
 derives the same positions, slots and block tables. Rank 0 runs its shard meanwhile, the ranks
 meet in the rowwise all-reduces, and rank 0 returns the full logits (its LM head is whole) after
 every worker has answered. Every rank holds the same blocks over its own heads, so the radix
@@ -61,7 +62,7 @@ from radixkv.model.tp_group import (
     open_store,
     rank_device,
 )
-from radixkv.model.tp_worker import Allocate, Profile, Step, worker_main
+from radixkv.model.tp_worker import Allocate, Profile, Step, TransferKind, worker_main
 
 STARTUP_TIMEOUT_S = 600.0  # a worker loads the whole checkpoint before it answers
 ERROR_GRACE_S = 5.0  # how long workers get to report the error rank 0 hit before it is fatal
@@ -87,7 +88,7 @@ class ParallelRunner:
         full = load_whole(config, self.device)
         specs = plan_shards(full, size)  # every size check, before any process starts
         self.local: ModelRunner | None = None
-        self._copies: list[tuple[list[int], list[int]]] = []
+        self._transfers: list[tuple[TransferKind, list[int], list[int]]] = []  # for the next Step
         self._dead: TensorParallelError | None = None
         self._workers: list[_Worker] = []
         self._group: Communicator | None = None
@@ -139,20 +140,21 @@ class ParallelRunner:
         own = partial(kv_cache_budget, loaded, **limits)
         return min(self._on_every_rank(Profile(limits), own, "profile memory"))
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """Builds every rank's KV cache (`num_blocks` blocks over the rank's heads) and waits
-        until every worker is ready. Raises RuntimeError with a worker's traceback if it failed."""
+    def allocate(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        """Builds every rank's KV cache (`num_blocks` blocks over the rank's heads, and a host tier
+        of `num_host_blocks`) and waits until every worker is ready. Raises RuntimeError with a
+        worker's traceback if it failed."""
 
         def build() -> None:
-            self.local = ModelRunner(self.model, num_blocks, block_size)
+            self.local = ModelRunner(self.model, num_blocks, block_size, num_host_blocks)
 
-        self._on_every_rank(Allocate(num_blocks, block_size), build, "build its KV cache")
+        self._on_every_rank(Allocate(num_blocks, block_size, num_host_blocks), build, "build its KV cache")
 
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """`ModelRunner.forward` over all ranks: float32 logits `[rows, vocab]` from rank 0."""
         local = self._runner()
-        self._send(pickle.dumps(Step(self._copies, chunks)))
-        self._copies = []
+        self._send(pickle.dumps(Step(self._transfers, chunks)))
+        self._transfers = []
         try:
             try:
                 logits, error = local.forward(chunks), None
@@ -174,9 +176,17 @@ class ParallelRunner:
         self._fail(f"the ranks diverged in a step (rank 0: {own or 'succeeded'}; {where})", error)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copies blocks on rank 0 now and on the workers before their next forward."""
-        self._runner().copy_blocks(src, dst)
-        self._copies.append((list(src), list(dst)))
+        """Copies device blocks (copy-on-write) on rank 0 now and on the workers before their
+        next forward, in order with the other transfers."""
+        self._transfer("copy_blocks", src, dst)
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        """Device blocks to the host tier: each rank moves its own heads (see `copy_blocks`)."""
+        self._transfer("offload", src, dst)
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        """Host-tier blocks back to the device: each rank its own heads (see `copy_blocks`)."""
+        self._transfer("load", src, dst)
 
     def close(self) -> None:
         """Stops every worker (idempotent). Later steps raise TensorParallelError."""
@@ -185,6 +195,15 @@ class ParallelRunner:
         self._finalizer()
 
     # ---------------------------------------------------------------- internals
+
+    def _transfer(self, kind: TransferKind, src: list[int], dst: list[int]) -> None:
+        """Runs a transfer here and queues it for the workers. A lost or closed group does not
+        refuse it (rank 0's cache is still there): the step's forward raises instead, so the core
+        fails the step the usual way rather than in the middle of its transfers."""
+        if self.local is None:
+            raise RuntimeError("ParallelRunner.allocate must run before the first step")
+        getattr(self.local, kind)(src, dst)
+        self._transfers.append((kind, list(src), list(dst)))
 
     def _on_every_rank(self, message: Allocate | Profile, own: Callable[[], Any], what: str) -> list[Any]:
         """Sends a start-up `message`, runs `own()` here meanwhile, and returns every rank's

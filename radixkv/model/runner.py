@@ -18,6 +18,7 @@ from radixkv import kernels
 from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
+from radixkv.model.host_kv import HostKVCache
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 
@@ -61,7 +62,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, cuda_graph_max_seqs: int = 0
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        cuda_graph_max_seqs: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
@@ -79,6 +85,7 @@ class ModelRunner:
         self.k_caches = list(self.kv_cache[0].unbind(0))
         self.v_caches = list(self.kv_cache[1].unbind(0))
         self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
+        self.host = HostKVCache(num_host_blocks, self.k_caches + self.v_caches) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
@@ -134,8 +141,7 @@ class ModelRunner:
         if not src:
             return
         blocks = src + dst
-        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")
+        self._check_block_ids(blocks)
         num_layers = self.kv_cache.shape[1]
         offsets = torch.arange(num_layers, dtype=torch.int64, device="cpu").view(1, -1, 1) * self.num_blocks
         # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
@@ -143,3 +149,17 @@ class ModelRunner:
         ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
         k_flat, v_flat = self.kv_cache[0].flatten(0, 1), self.kv_cache[1].flatten(0, 1)
         kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        """Copy device blocks `src[i]` to host blocks `dst[i]` (the host tier), every layer."""
+        self._check_block_ids(src)
+        self.host.offload(self.k_caches + self.v_caches, src, dst)
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        """Copy host blocks `src[i]` back to device blocks `dst[i]`, every layer."""
+        self._check_block_ids(dst)
+        self.host.load(self.k_caches + self.v_caches, src, dst)
+
+    def _check_block_ids(self, blocks: list[int]) -> None:
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")

@@ -22,7 +22,7 @@ import pickle
 import signal
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -36,10 +36,12 @@ from radixkv.model.tp_group import all_reducer, connect, rank_device
 
 
 class Allocate(NamedTuple):
-    """Rank 0 to a worker, once: build the KV cache (every rank has the same blocks)."""
+    """Rank 0 to a worker, once: build the KV cache and its host tier (every rank has the same
+    blocks)."""
 
     num_blocks: int
     block_size: int
+    num_host_blocks: int
 
 
 class Profile(NamedTuple):
@@ -49,10 +51,13 @@ class Profile(NamedTuple):
     limits: dict[str, Any]
 
 
-class Step(NamedTuple):
-    """Rank 0 to a worker, each step: run these block copies, then this forward."""
+TransferKind = Literal["copy_blocks", "offload", "load"]  # the ModelRunner method that moves blocks
 
-    copies: list[tuple[list[int], list[int]]]
+
+class Step(NamedTuple):
+    """Rank 0 to a worker, each step: run these block transfers in order, then this forward."""
+
+    transfers: list[tuple[TransferKind, list[int], list[int]]]
     chunks: list[SequenceChunk]
 
 
@@ -81,7 +86,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, conn: Con
             if isinstance(message, Step):
                 conn.send(_run(runner, message))
             elif isinstance(message, Allocate):
-                runner = ModelRunner(loaded, message.num_blocks, message.block_size)
+                runner = ModelRunner(loaded, message.num_blocks, message.block_size, message.num_host_blocks)
                 conn.send(None)
             else:
                 conn.send(kv_cache_budget(loaded, **message.limits))
@@ -110,8 +115,8 @@ def _run(runner: ModelRunner | None, step: Step) -> str | None:
     try:
         if runner is None:
             raise RuntimeError("a step before the KV cache was built")
-        for src, dst in step.copies:
-            runner.copy_blocks(src, dst)
+        for kind, src, dst in step.transfers:
+            getattr(runner, kind)(src, dst)
         runner.forward(step.chunks)
     except Exception as error:
         return f"{type(error).__name__}: {error}"

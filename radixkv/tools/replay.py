@@ -29,6 +29,7 @@ from radixkv.cache.eviction import POLICIES
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
 from radixkv.sampling_params import SamplingParams
+from radixkv.tools.engine_args import add_host_arguments, host_config
 from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
 from radixkv.workloads.format import Workload, read_workload
 
@@ -94,7 +95,8 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
             t, i, k = heapq.heappop(due)
             turn = sessions[i].turns[k]
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            in_flight[engine.add_request(convs[i].prompt(turn.user), params)] = (i, k, t)
+            request_id = engine.add_request(convs[i].prompt(turn.user), params, session_id=sessions[i].name)
+            in_flight[request_id] = (i, k, t)
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
             continue
@@ -121,6 +123,8 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
             )
             if k + 1 < len(sessions[i].turns):
                 heapq.heappush(due, (done_s + sessions[i].turns[k + 1].think / speed, i, k + 1))
+            else:
+                engine.close_session(sessions[i].name)
             if bar is not None:
                 bar.update(1)
     wall = time.perf_counter() - start
@@ -152,6 +156,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "preemptions": m["num_preemptions"],
         "evicted_blocks": m["num_evicted_blocks"],
         "cow_copies": m["num_cow_copies"],
+        "host_hit_rate": m["host_cache_hits"] / prompt if prompt else 0.0,
     }
 
 
@@ -218,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
     )
+    add_host_arguments(parser)
+    parser.add_argument(
+        "--compare-host-tier",
+        action="store_true",
+        help="replay again without the host tier (needs --host-kv-cache-memory)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
     remote = parser.add_argument_group("against a server (instead of in process)")
     remote.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
@@ -242,12 +253,19 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_memory": args.kv_cache_memory,
         "eviction": args.eviction,
         "tensor_parallel_size": args.tensor_parallel_size,
+        **host_config(args),
     }
+    if args.compare_host_tier and not base["host_kv_cache_memory"]:
+        raise ValueError("--compare-host-tier needs --host-kv-cache-memory")
     progress = sys.stderr.isatty() and not args.json
     runs = {"prefix_cache": replay(workload, EngineConfig(**base), args.speed, progress)}
+    if args.compare_host_tier:
+        device_only = {**base, "host_kv_cache_memory": 0, "preemption_mode": "recompute"}
+        runs["no_host_tier"] = replay(workload, EngineConfig(**device_only), args.speed, progress)
     if args.compare:
-        off = EngineConfig(**base, enable_prefix_cache=False)
-        runs["no_prefix_cache"] = replay(workload, off, args.speed, progress)
+        off = {**base, "host_kv_cache_memory": 0, "preemption_mode": "recompute"}
+        off_config = EngineConfig(**off, enable_prefix_cache=False)
+        runs["no_prefix_cache"] = replay(workload, off_config, args.speed, progress)
     tokenizer = workload_tokenizer(workload, args.model)
     report = {
         "workload": str(args.workload),
@@ -302,6 +320,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("requests", "{:d}", lambda r: r["requests"]),
         ("prompt tokens", "{:,d}", lambda r: r["prompt_tokens"]),
         ("hit rate", "{:.3f}", lambda r: r["hit_rate"]),
+        ("host hit rate", "{:.3f}", lambda r: r["host_hit_rate"]),
         ("TTFT mean (s)", "{:.3f}", lambda r: r["ttft_s"]["mean"]),
         ("TTFT p50 (s)", "{:.3f}", lambda r: r["ttft_s"]["p50"]),
         ("TTFT p90 (s)", "{:.3f}", lambda r: r["ttft_s"]["p90"]),
@@ -323,10 +342,15 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for label, fmt, get in rows:
         lines.append(f"{label:<16}" + "".join(f"{fmt.format(get(runs[n])):>{width}}" for n in names))
-    if "no_prefix_cache" in runs:
-        on, off = runs["prefix_cache"]["ttft_s"], runs["no_prefix_cache"]["ttft_s"]
-        lines.append(
-            f"TTFT with / without the prefix cache: p50 {on['p50'] / off['p50']:.3f}x, "
-            f"mean {on['mean'] / off['mean']:.3f}x"
-        )
+    for other, what in (("no_host_tier", "the host tier"), ("no_prefix_cache", "the prefix cache")):
+        if other in runs:
+            on, off = runs["prefix_cache"]["ttft_s"], runs[other]["ttft_s"]
+            lines.append(
+                f"TTFT with / without {what}: p50 {on['p50'] / off['p50']:.3f}x, "
+                f"mean {on['mean'] / off['mean']:.3f}x"
+            )
+    ideal = report["ideal_hit_rate"]
+    if ideal:
+        shares = ", ".join(f"{n} {runs[n]['hit_rate'] / ideal:.3f}" for n in names if n != "no_prefix_cache")
+        lines.append(f"hit rate / ideal: {shares}")
     return "\n".join(lines)

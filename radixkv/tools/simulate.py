@@ -14,17 +14,20 @@ turn's `max_tokens`, cached with its prompt, as the engine's own reply would be.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.eviction import POLICIES, make_policy
-from radixkv.cache.kv_cache_manager import KVCacheManager
+from radixkv.cache.host_tier import HostTier
+from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
+from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
 from radixkv.workloads.format import Workload, read_workload
@@ -36,6 +39,8 @@ class CacheRequest:
     arrival: float
     prompt: list[int]
     output: list[int]  # cached together with the prompt once the request is served
+    session: str | None = None  # the chat session it is a turn of
+    closes_session: bool = False  # the session's last turn: it closes once this is served
 
 
 @dataclass(slots=True)
@@ -49,12 +54,28 @@ class SimulationResult:
     block_size: int
     eviction: str
     tokens_per_s: float  # prompt tokens matched and inserted per second, this cache's speed
+    host_blocks: int | None = None  # with a host tier
+    host_hit_tokens: int | None = None  # the part of hit_tokens loaded from the host tier
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class Hits(NamedTuple):
+    tokens: int  # prompt tokens found in the cache
+    host_tokens: int  # of them, those loaded back from the host tier
 
 
 def requests_from_trace(path: str | Path, hash_block: int) -> list[CacheRequest]:
+    """The trace's requests in file order; a request with a session id is that session's turn,
+    and the session closes after its last request."""
     tokens = HashIdTokens(hash_block)
     trace = read_hash_trace(path)
-    return [CacheRequest(r.arrival_s, tokens.tokens(r.hash_ids), []) for r in trace]
+    last = {r.session: i for i, r in enumerate(trace) if r.session is not None}
+    return [
+        CacheRequest(r.arrival_s, tokens.tokens(r.hash_ids), [], r.session, last.get(r.session) == i)
+        for i, r in enumerate(trace)
+    ]
 
 
 def requests_from_workload(workload: Workload, tokenizer: Any | None) -> list[CacheRequest]:
@@ -65,10 +86,11 @@ def requests_from_workload(workload: Workload, tokenizer: Any | None) -> list[Ca
     for session in workload.sessions:
         conv = Conversation(None if session.uses_ids else tokenizer, session.system)
         t = session.arrival
-        for turn in session.turns:
+        for k, turn in enumerate(session.turns):
             t += turn.think
             reply = list(itertools.islice(fresh, turn.max_tokens))
-            timed.append(CacheRequest(t, conv.prompt(turn.user), reply))
+            closes = k == len(session.turns) - 1
+            timed.append(CacheRequest(t, conv.prompt(turn.user), reply, session.name, closes))
             conv.add_reply(reply)
     return sorted(timed, key=lambda r: r.arrival)
 
@@ -94,45 +116,83 @@ def is_hash_trace(path: str | Path) -> bool:
 
 def hit_tokens(requests: list[CacheRequest], capacity_blocks: int, block_size: int, eviction: str) -> int:
     """Prompt tokens the cache finds, serving `requests` in order at this capacity."""
+    return cache_hits(requests, capacity_blocks, block_size, eviction).tokens
+
+
+def cache_hits(
+    requests: list[CacheRequest],
+    capacity_blocks: int,
+    block_size: int,
+    eviction: str,
+    host_blocks: int | None = None,
+    write_through: bool = False,
+) -> Hits:
+    """Prompt tokens the cache finds, serving `requests` in order at this capacity, with a host
+    tier of `host_blocks` behind it when given."""
     pool = BlockPool(capacity_blocks, block_size)
-    kv = KVCacheManager(pool, RadixCache(pool, make_policy(eviction)))
-    hits = 0
-    for req in requests:
-        table = kv.admit(req.prompt)
+    host = HostTier(host_blocks, block_size, write_through=write_through) if host_blocks is not None else None
+    if eviction == OfflineOptimal.name:
+        oracle = OfflineOptimal([r.prompt for r in requests], block_size)
+        return serve(KVCacheManager(pool, RadixCache(pool, oracle, host)), requests, oracle)
+    return serve(KVCacheManager(pool, RadixCache(pool, make_policy(eviction), host)), requests)
+
+
+def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptimal | None = None) -> Hits:
+    """Serves `requests` one at a time through `kv`, as the engine would; returns the prompt
+    tokens found in the cache. The offline `oracle`, when given, learns each request's index."""
+    hits = host_hits = 0
+    for i, req in enumerate(requests):
+        if oracle is not None:
+            oracle.advance(i)
+        table = kv.admit(req.prompt, session=req.session)
         hits += table.num_tokens
+        host_hits += table.num_loaded_tokens
         tokens = req.prompt + req.output
         try:
             kv.reserve([(table, len(tokens) - table.num_tokens)])
         except OutOfBlocks:  # longer than the whole cache: served, but not cached
             kv.release(table)
-            continue
-        kv.pending_copies.clear()  # no KV data here; the copies' source references still go
-        kv.cache_finished(table, tokens)
-    return hits
+        else:
+            kv.run_transfers(NO_DATA)
+            kv.cache_finished(table, tokens)
+        if req.closes_session:
+            kv.close_session(req.session)
+    kv.run_transfers(NO_DATA)
+    return Hits(hits, host_hits)
 
 
 def simulate(
-    requests: list[CacheRequest], capacities: list[int], block_size: int, eviction: str
+    requests: list[CacheRequest],
+    capacities: list[int],
+    block_size: int,
+    evictions: list[str],
+    host_blocks: int | None = None,
+    write_through: bool = False,
 ) -> list[SimulationResult]:
+    """One result per capacity and policy, capacities outer, policies in the order given; with
+    `host_blocks`, each capacity has a host tier of that many blocks behind it."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
     blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
-    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, eviction) / max(prompt_tokens, 1)
+    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, "lru") / max(prompt_tokens, 1)
     results = []
-    for capacity in capacities:
+    for capacity, eviction in itertools.product(capacities, evictions):
+        gc.collect()  # the previous run's tree, so that its teardown is not timed here
         start = time.perf_counter()
-        hits = hit_tokens(requests, capacity, block_size, eviction)
+        hits = cache_hits(requests, capacity, block_size, eviction, host_blocks, write_through)
         seconds = time.perf_counter() - start
         results.append(
             SimulationResult(
                 requests=len(requests),
                 prompt_tokens=prompt_tokens,
-                hit_tokens=hits,
-                hit_rate=hits / max(prompt_tokens, 1),
+                hit_tokens=hits.tokens,
+                hit_rate=hits.tokens / max(prompt_tokens, 1),
                 ideal_hit_rate=ideal,
                 capacity_blocks=capacity,
                 block_size=block_size,
                 eviction=eviction,
                 tokens_per_s=prompt_tokens / seconds,
+                host_blocks=host_blocks,
+                host_hit_tokens=hits.host_tokens if host_blocks is not None else None,
             )
         )
     return results
@@ -150,7 +210,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache size in blocks, or a comma-separated sweep like 1000,4000,16000",
     )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--eviction",
+        default=["lru"],
+        type=_evictions,
+        help=f"eviction policies to compare, comma-separated: {', '.join(EVICTIONS)}",
+    )
+    parser.add_argument(
+        "--host-blocks", type=_positive_blocks, help="a host tier of this many blocks behind each capacity"
+    )
+    parser.add_argument(
+        "--write-through", action="store_true", help="copy blocks to the host tier as they are cached"
+    )
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
     parser.add_argument("--model", default="tiny-llama", help="tokenizer for text workloads")
     parser.add_argument("--json", action="store_true", help="print JSON only")
@@ -163,25 +234,66 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = read_workload(path)
         requests = requests_from_workload(workload, workload_tokenizer(workload, args.model))
-    results = simulate(requests, args.capacity_blocks, args.block_size, args.eviction)
+    if args.write_through and args.host_blocks is None:
+        raise SystemExit("--write-through needs --host-blocks")
+    results = simulate(
+        requests, args.capacity_blocks, args.block_size, args.eviction, args.host_blocks, args.write_through
+    )
     if args.json:
-        rows = [asdict(r) for r in results]
+        rows = [r.as_json() for r in results]
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
         print()
         return 0
-    r0 = results[0]
-    print(
-        f"{path.name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, "
-        f"block size {r0.block_size}, {r0.eviction}"
-    )
-    print(f"{'capacity (blocks)':>18} {'hit rate':>9} {'ideal':>7} {'of ideal':>9} {'tokens/s':>11}")
-    for r in results:
-        share = r.hit_rate / r.ideal_hit_rate if r.ideal_hit_rate else 0.0
-        print(
-            f"{r.capacity_blocks:>18} {r.hit_rate:>9.3f} {r.ideal_hit_rate:>7.3f} {share:>9.2f} "
-            f"{r.tokens_per_s:>11,.0f}"
-        )
+    print_table(path.name, results)
     return 0
+
+
+def print_table(name: str, results: list[SimulationResult]) -> None:
+    """One line per capacity and policy; `of optimal` when `optimal` ran at that capacity."""
+    r0 = results[0]
+    print(f"{name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, block size {r0.block_size}")
+    if r0.host_blocks is not None:
+        print(f"host tier: {r0.host_blocks} blocks behind each capacity")
+    optimal = {r.capacity_blocks: r.hit_rate for r in results if r.eviction == OfflineOptimal.name}
+    head = f"{'capacity (blocks)':>18} {'eviction':>9} {'hit rate':>9}"
+    head += f" {'device':>7} {'host':>7}" if r0.host_blocks is not None else ""
+    head += f" {'ideal':>7} {'of ideal':>9}"
+    print(head + (f" {'of optimal':>11}" if optimal else "") + f" {'tokens/s':>11}")
+    for r in results:
+        line = f"{r.capacity_blocks:>18} {r.eviction:>9} {r.hit_rate:>9.4f} "
+        if r.host_hit_tokens is not None:
+            host = r.host_hit_tokens / max(r.prompt_tokens, 1)
+            line += f"{r.hit_rate - host:>7.4f} {host:>7.4f} "
+        line += f"{r.ideal_hit_rate:>7.3f} {_share(r.hit_rate, r.ideal_hit_rate):>9.2f}"
+        if optimal:
+            best = optimal.get(r.capacity_blocks)
+            line += f" {_share(r.hit_rate, best):>11.2f}" if best is not None else f" {'':>11}"
+        print(line + f" {r.tokens_per_s:>11,.0f}")
+
+
+def _share(value: float, whole: float) -> float:
+    return value / whole if whole else 0.0
+
+
+EVICTIONS = [*POLICIES, OfflineOptimal.name]
+
+
+def _evictions(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",")]
+    bad = [n for n in names if n not in EVICTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"eviction must be among {', '.join(EVICTIONS)}, got {text!r}")
+    return names
+
+
+def _positive_blocks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of blocks, got {text!r}")
+    return value
 
 
 def _capacities(text: str) -> list[int]:

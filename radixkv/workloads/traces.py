@@ -24,12 +24,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a hash-id trace. `arrival_s` is in seconds from the trace's start."""
+    """One request of a hash-id trace. `arrival_s` is in seconds from the trace's start;
+    `session` is the trace's `session_id` where it has one (agent traces)."""
 
     arrival_s: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str | None = None
 
 
 class TraceFormatError(ValueError):
@@ -46,6 +48,7 @@ def read_hash_trace(path: str | Path) -> list[TraceRequest]:
             input_length=int(row.get("input_length", 0)),
             output_length=int(row.get("output_length", 0)),
             hash_ids=tuple(row["hash_ids"]),
+            session=str(row["session_id"]) if "session_id" in row else None,
         ),
     )
 
