@@ -42,7 +42,7 @@ from radixkv.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from radixkv.engine import Engine
 
-PARTS = ("schedule", "copy_blocks", "prepare_inputs", "forward_stub", "postprocess", "other")
+PARTS = ("schedule", "block_transfers", "prepare_inputs", "forward_stub", "postprocess", "other")
 """Where a step's host time goes: `prepare_inputs` is `ModelRunner.forward` less the stub's call;
 `other` is what `Engine.step` does outside the timed calls (building chunks, metrics, hooks)."""
 WARMUP_STEPS = 3
@@ -195,7 +195,7 @@ def run_case(name: str, steps: int) -> CaseResult:
     engine, stub = CASES[name](random.Random(0))
     timer = _Timer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.kv, "run_copies", "copy_blocks")
+    timer.wrap(engine.kv, "run_transfers", "block_transfers")
     timer.wrap(engine.runner, "forward", "prepare_inputs")
     timer.wrap(engine.scheduler, "postprocess", "postprocess")
     for _ in range(WARMUP_STEPS):
