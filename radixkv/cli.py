@@ -33,7 +33,17 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return bench_kernels.run(args)
 
 
+def _bench_replicas(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_replicas
+
+    return bench_replicas.run(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from radixkv.cluster import launch as cluster_launch
+
+        return cluster_launch.run(args)
     from radixkv.server import launch
 
     return launch.run(args)
@@ -88,8 +98,9 @@ def _workload(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from radixkv.cluster import launch as cluster_launch
     from radixkv.server import launch
-    from radixkv.tools import bench_tp, engine_args, replay, simulate
+    from radixkv.tools import bench_replicas, bench_tp, engine_args, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -107,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     launch.add_arguments(serve)
+    cluster_launch.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="chat with a model in the terminal")
@@ -136,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp = suites.add_parser("tp", help="step time with 1 rank and with N (tensor parallelism)")
     bench_tp.add_arguments(tp)
     tp.set_defaults(func=_bench_tp)
+    replicas = suites.add_parser("replicas", help="one engine against N replicas by router")
+    bench_replicas.add_arguments(replicas)
+    replicas.set_defaults(func=_bench_replicas)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -72,6 +72,7 @@ def test_help_simulate_and_workload_load_no_heavy_module(tmp_path):
             ["serve", "--help"],
             ["workload", "gen", "chat", "--help"],
             ["simulate", "trace.jsonl", "--hash-block", "4", "--block-size", "4", "--capacity-blocks", "8"],
+            ["simulate", "trace.jsonl", "--hash-block", "4", "--capacity-blocks", "8", "--replicas", "2"],
         ):
             with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
                 main(argv)

@@ -30,6 +30,7 @@ from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
+from radixkv.router import ROUTERS
 from radixkv.workloads.format import Workload, read_workload
 from radixkv.workloads.traces import HashIdTokens, iter_lines, read_hash_trace
 
@@ -161,6 +162,13 @@ def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptim
     return Hits(hits, host_hits)
 
 
+def ideal_hit_rate(requests: list[CacheRequest], block_size: int) -> float:
+    """The hit rate of a cache large enough never to evict."""
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
+    return hit_tokens(requests, max(blocks_for_all, 1), block_size, "lru") / max(prompt_tokens, 1)
+
+
 def simulate(
     requests: list[CacheRequest],
     capacities: list[int],
@@ -172,8 +180,7 @@ def simulate(
     """One result per capacity and policy, capacities outer, policies in the order given; with
     `host_blocks`, each capacity has a host tier of that many blocks behind it."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    blocks_for_all = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
-    ideal = hit_tokens(requests, max(blocks_for_all, 1), block_size, "lru") / max(prompt_tokens, 1)
+    ideal = ideal_hit_rate(requests, block_size)
     results = []
     for capacity, eviction in itertools.product(capacities, evictions):
         gc.collect()  # the previous run's tree, so that its teardown is not timed here
@@ -224,6 +231,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
     parser.add_argument("--model", default="tiny-llama", help="tokenizer for text workloads")
+    parser.add_argument("--replicas", type=int, help="simulate N replica caches behind a router")
+    parser.add_argument(
+        "--router",
+        type=_routers,
+        default=["cache-aware"],
+        help=f"with --replicas: one or more of {','.join(ROUTERS)}, comma-separated",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -234,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = read_workload(path)
         requests = requests_from_workload(workload, workload_tokenizer(workload, args.model))
+    if args.replicas is not None:
+        from radixkv.tools import simulate_replicas
+
+        return simulate_replicas.run(args, path.name, requests)
     if args.write_through and args.host_blocks is None:
         raise SystemExit("--write-through needs --host-blocks")
     results = simulate(
@@ -304,3 +322,11 @@ def _capacities(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"capacities must be >= 1 block, got {text!r}")
     return values
+
+
+def _routers(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown router {unknown[0]!r}; choose from {', '.join(ROUTERS)}")
+    return names

@@ -1,0 +1,138 @@
+"""The Ray Serve application: N engine replicas behind one routing ingress.
+
+Each replica is its own deployment (`engine-0` ... `engine-{N-1}`, one Serve replica each) so
+that the router, not Serve's own load balancer, picks where a request goes: a deployment handle
+sends to the one replica behind it. An `EngineReplica` runs one `AsyncEngine` and the
+single-engine server's application (`radixkv.server.app.build_app`), and serves forwarded
+requests through it in process (`call_asgi`), so auth, validation, errors, SSE and per-replica
+`/metrics` are the server's own. Ray restarts a replica whose process dies; the ingress probes
+every replica each `PROBE_PERIOD_S` and takes it back into routing when it answers.
+
+The ingress (`RouterIngress`) is the HTTP entry point: a `RouterService` over the replicas'
+handles. It builds its `Router` once every replica has answered a first probe, sized like the
+replicas' caches (blocks and block size from their engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixkv.cluster.asgi_call import Forwarded, ResponseHead, call_asgi
+from radixkv.cluster.router_service import ReplicaFailed, ReplicaInfo, RouterService
+from radixkv.config import EngineConfig
+from radixkv.router import Router
+
+PROBE_PERIOD_S = 0.5
+PROBE_TIMEOUT_S = 2.0
+REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+# The ingress probes each replica twice a second: those calls stay out of the access log.
+@serve.deployment(
+    max_ongoing_requests=1024,
+    health_check_period_s=2,
+    health_check_timeout_s=10,
+    logging_config={"enable_access_log": False},
+)
+class EngineReplica:
+    def __init__(self, config: EngineConfig, model_name: str, api_key: str | None, max_waiting: int | None):
+        from radixkv import AsyncEngine
+        from radixkv.server.app import build_app
+
+        self.engine = AsyncEngine(config)
+        self.app = build_app(self.engine, model_name, api_key=api_key, max_waiting=max_waiting)
+        self.info = ReplicaInfo(uuid.uuid4().hex, self.engine.metrics()["num_blocks"], config.block_size)
+
+    def probe(self) -> ReplicaInfo:
+        return self.info
+
+    async def forward(self, request: Forwarded) -> AsyncIterator[ResponseHead | bytes]:
+        async for part in call_asgi(self.app, request):
+            yield part
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+
+
+class RayReplica:
+    """A `ReplicaClient` over a deployment handle; Ray's errors for a dead or unreachable replica
+    become `ReplicaFailed`."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    async def forward(self, request: Forwarded) -> AsyncIterator[ResponseHead | bytes]:
+        try:
+            async for part in self.handle.options(stream=True).forward.remote(request):
+                yield part
+        except REPLICA_ERRORS as e:
+            raise ReplicaFailed(type(e).__name__) from e
+
+    async def probe(self) -> ReplicaInfo:
+        try:
+            return await asyncio.wait_for(self.handle.probe.remote(), PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, *REPLICA_ERRORS) as e:
+            raise ReplicaFailed(f"no answer to a probe: {type(e).__name__}") from e
+
+
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+class RouterIngress:
+    def __init__(self, engines: list[DeploymentHandle], policy: str, model: str) -> None:
+        from radixkv.model.loader import load_tokenizer
+
+        self.replicas = [RayReplica(h) for h in engines]
+        self.policy = policy
+        self.tokenizer = load_tokenizer(model)
+        self.service: RouterService | None = None
+        self._started = asyncio.Lock()
+        self._probing: asyncio.Task | None = None
+
+    async def __call__(self, request: Request) -> Response:
+        return await (await self._service()).handle(request)
+
+    async def _service(self) -> RouterService:
+        """The router service, built at the first request once every replica answers: its
+        indexes are sized like the replicas' caches (all replicas share one engine config)."""
+        if self.service is not None:
+            return self.service
+        async with self._started:
+            if self.service is None:
+                infos = await asyncio.gather(*(h.probe.remote() for h in (r.handle for r in self.replicas)))
+                router = Router(self.policy, len(infos), infos[0].num_blocks, infos[0].block_size)
+                self.service = RouterService(router, self.replicas, self.tokenizer)
+                await self.service.probe_all()
+                self._probing = asyncio.ensure_future(self._probe_forever())
+        return self.service
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_PERIOD_S)
+            await self.service.probe_all()
+
+
+def build_application(
+    config: EngineConfig,
+    replicas: int,
+    policy: str,
+    model_name: str,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    gpus_per_replica: float = 0,
+) -> Any:
+    """The Serve application: `replicas` engine deployments and the routing ingress."""
+    engines = [
+        EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_gpus": gpus_per_replica}).bind(
+            config, model_name, api_key, max_waiting
+        )
+        for i in range(replicas)
+    ]
+    return RouterIngress.bind(engines, policy, config.model)

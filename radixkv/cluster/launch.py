@@ -1,0 +1,69 @@
+"""`radixkv serve --replicas N`: N engine replicas on Ray Serve behind the cache-aware router.
+
+Without `--ray-address` a local Ray instance is started (and stopped on exit); with one, the
+replicas join that cluster. Each replica asks for one GPU when the cluster has one for every
+replica, else an equal share of the GPUs there are (replicas then share a device), else none.
+The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy.
+SIGTERM or Ctrl-C shuts the application down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+from radixkv.router import ROUTERS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group("replicas (needs the `cluster` extra: ray[serve])")
+    cluster.add_argument("--replicas", type=int, default=None, help="engine replicas on Ray Serve")
+    cluster.add_argument("--router", default="cache-aware", choices=ROUTERS, help="how requests are spread")
+    cluster.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SystemExit('--replicas needs Ray Serve: pip install -e ".[cluster]"') from None
+    from radixkv.cluster.deployment import build_application
+    from radixkv.server.launch import engine_config
+
+    config = engine_config(args)
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False)
+    gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_application(
+        config,
+        args.replicas,
+        args.router,
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        gpus_per_replica=gpus,
+    )
+    serve.run(app, name="radixkv", route_prefix="/")
+    print(
+        f"radixkv serve: {args.replicas} replicas of {config.model}, {args.router} routing, "
+        f"on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    if args.ray_address:
+        serve.delete("radixkv")  # the cluster and its Serve instance are not ours to stop
+    else:
+        serve.shutdown()
+    ray.shutdown()
+    return 0

@@ -1,0 +1,160 @@
+"""Two engine replicas on Ray Serve behind the router, driven through the official `openai` client.
+
+One local Ray instance for the whole module (about 35 s to start here, both engines included);
+each test then takes a few seconds. Marked `cluster`: CI installs Ray with the test extra and
+runs it; `-m "not cluster"` leaves it out.
+"""
+
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from radixkv.cluster.deployment import build_application  # noqa: E402
+from radixkv.cluster.router_service import REPLICA_HEADER  # noqa: E402
+from radixkv.config import EngineConfig  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = EngineConfig(model="tiny-llama", kv_cache_memory="8MiB", max_model_len=1024)
+        serve.run(build_application(config, 2, "cache-aware", "tiny-llama"), name="radixkv", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def router_metrics(base_url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^(radixkv_router_\w+)(?:\{replica="(\d+)"\})? (\S+)$', text, re.M)
+    return {f"{name}[{replica}]" if replica else name: float(value) for name, replica, value in found}
+
+
+def chat_turn(client, messages):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    return int(raw.headers[REPLICA_HEADER]), raw.parse()
+
+
+def test_each_conversation_stays_on_one_replica_and_reuses_its_cache(client, base_url):
+    placed = {}
+    for c in range(4):
+        messages = [{"role": "user", "content": f"Conversation {c}: tell me about the number {c * 7919}."}]
+        replicas, previous_prompt = set(), 0
+        for turn in range(3):
+            replica, out = chat_turn(client, messages)
+            replicas.add(replica)
+            if turn:  # the previous prompt and its reply are in this replica's cache
+                assert out.usage.prompt_tokens_details.cached_tokens >= previous_prompt
+            previous_prompt = out.usage.prompt_tokens
+            messages += [
+                {"role": "assistant", "content": out.choices[0].message.content},
+                {"role": "user", "content": f"And then, turn {turn}?"},
+            ]
+        assert len(replicas) == 1, f"conversation {c} moved between replicas {replicas}"
+        placed[c] = replicas.pop()
+    assert set(placed.values()) == {0, 1}, f"new conversations were not spread: {placed}"
+    metrics = router_metrics(base_url)
+    for i in (0, 1):
+        assert metrics[f"radixkv_router_alive[{i}]"] == 1
+        assert metrics[f"radixkv_router_requests_total[{i}]"] >= 6
+        assert metrics[f"radixkv_router_in_flight[{i}]"] == 0
+        # turns 2 and 3 of each conversation were routed expecting their earlier prompt cached
+        assert metrics[f"radixkv_router_estimated_hit_tokens_total[{i}]"] > 0
+
+
+def test_a_stream_through_the_router_equals_the_whole_reply_from_the_same_replica(client):
+    messages = [{"role": "user", "content": "Stream this reply, please, for 53 tokens or so."}]
+    replica, whole = chat_turn(client, messages)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    assert int(raw.headers[REPLICA_HEADER]) == replica  # the same prompt goes where it is cached
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 8)
+    assert usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 16
+
+
+def test_models_and_health_answer_through_the_router(client, base_url):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    health = urllib.request.urlopen(f"{base_url}/health", timeout=10).read().decode()
+    assert '"replicas_alive":2' in health
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=-1)
+
+
+def test_a_killed_replica_leaves_routing_its_requests_are_retried_and_it_comes_back(client, base_url):
+    results, errors = [], []
+
+    def complete(k):
+        try:
+            raw = client.completions.with_raw_response.create(
+                model="tiny-llama",
+                prompt=f"Request {k}: " + "lorem ipsum " * (k + 1),
+                max_tokens=48,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            results.append((int(raw.headers[REPLICA_HEADER]), raw.parse()))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=complete, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while router_metrics(base_url)["radixkv_router_in_flight[1]"] < 1:
+        assert time.monotonic() < deadline, "no request reached replica 1"
+        time.sleep(0.05)
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "engine-1" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=False)
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == 6
+    assert all(len(out.choices[0].text) > 0 and out.usage.completion_tokens == 48 for _, out in results)
+    metrics = router_metrics(base_url)
+    assert metrics["radixkv_router_failures_total[1]"] >= 1
+    assert metrics["radixkv_router_retries_total"] >= 1
+    # while replica 1 is down everything goes to replica 0
+    if metrics["radixkv_router_alive[1]"] == 0:
+        replica, _ = chat_turn(client, [{"role": "user", "content": "while one is down"}])
+        assert replica == 0
+    # Ray restarts the replica; the router's probes take it back into routing
+    deadline = time.monotonic() + 90
+    while router_metrics(base_url)["radixkv_router_alive[1]"] == 0:
+        assert time.monotonic() < deadline, "replica 1 did not come back into routing"
+        time.sleep(0.5)
+    fresh = [f"{k * 104729} is where a new conversation starts after the restart" for k in range(4)]
+    assert {chat_turn(client, [{"role": "user", "content": text}])[0] for text in fresh} == {0, 1}

@@ -1,0 +1,111 @@
+"""The router's HTTP side without Ray: retries, a stream cut mid-way, no live replica, restarts.
+
+The replicas here are scripted clients (a head, some chunks, then maybe a failure), since what is
+under test is the router's handling of each fault; the real replicas on Ray Serve are driven in
+tests/test_cluster.py.
+"""
+
+import asyncio
+import json
+
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from radixkv.cluster.asgi_call import ResponseHead
+from radixkv.cluster.router_service import REPLICA_HEADER, ReplicaFailed, ReplicaInfo, RouterService
+from radixkv.router import Router
+
+SSE = [("content-type", "text/event-stream")]
+JSON = [("content-type", "application/json")]
+
+
+class Scripted:
+    """A replica that answers every request with `parts`; a `ReplicaFailed` among them is raised
+    there. `incarnation` None means it does not answer probes."""
+
+    def __init__(self, parts, incarnation="a"):
+        self.parts, self.incarnation, self.requests = parts, incarnation, []
+
+    async def forward(self, request):
+        self.requests.append(request)
+        for part in self.parts:
+            if isinstance(part, ReplicaFailed):
+                raise part
+            yield part
+
+    async def probe(self):
+        if self.incarnation is None:
+            raise ReplicaFailed("no answer")
+        return ReplicaInfo(self.incarnation, 64, 4)
+
+
+def serve(replicas):
+    service = RouterService(Router("round-robin", len(replicas), 64, 4), replicas, tokenizer=None)
+    app = Starlette(routes=[Route("/{path:path}", service.handle, methods=["GET", "POST"])])
+    return service, TestClient(app)
+
+
+def completion(client, **body):
+    return client.post("/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 2, **body})
+
+
+def test_a_replica_that_fails_before_answering_is_retried_once_elsewhere():
+    ok = b'{"choices": []}'
+    dead, alive = Scripted([ReplicaFailed("ActorDiedError")]), Scripted([ResponseHead(200, JSON), ok])
+    service, client = serve([dead, alive])
+    r = completion(client)
+    assert (r.status_code, r.content, r.headers[REPLICA_HEADER]) == (200, ok, "1")
+    assert json.loads(alive.requests[0].body)["prompt"] == [1, 2, 3, 4, 5]
+    assert [s.alive for s in service.router.stats] == [False, True]
+    assert [s.load for s in service.router.stats] == [0, 0]
+    assert (service.counters.retries, service.counters.failures) == (1, [1, 0])
+    assert completion(client).headers[REPLICA_HEADER] == "1"  # the dead one is out of routing
+
+
+def test_when_the_retry_fails_too_the_client_gets_a_502_in_openai_shape():
+    _, client = serve([Scripted([ReplicaFailed("gone")]), Scripted([ReplicaFailed("gone")])])
+    r = completion(client)
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "replica_failed"
+    assert "failed while serving the request" in r.json()["error"]["message"]
+    r = completion(client)
+    assert (r.status_code, r.headers["retry-after"]) == (503, "1")
+    assert r.json()["error"]["message"] == "no replica is alive to serve the request"
+
+
+def test_a_stream_cut_mid_way_ends_with_an_error_event():
+    parts = [ResponseHead(200, SSE), b'data: {"x": 1}\n\n', ReplicaFailed("ActorDiedError")]
+    service, client = serve([Scripted(parts)])
+    r = completion(client, stream=True)
+    events = [line for line in r.text.split("\n\n") if line]
+    assert events[0] == 'data: {"x": 1}'
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["code"] == "replica_failed" and "mid-stream" in error["message"]
+    assert (service.router.stats[0].alive, service.router.stats[0].load) == (False, 0)
+
+
+def test_probes_take_a_replica_out_and_back_and_a_restart_empties_its_index():
+    replica = Scripted([ResponseHead(200, JSON), b"{}"])
+    service, client = serve([replica])
+    asyncio.run(service.probe_all())
+    completion(client)
+    assert service.router.indexes[0].match([1, 2, 3, 4, 5]) == 5
+    replica.incarnation = None
+    asyncio.run(service.probe_all())
+    assert client.get("/health").status_code == 503
+    replica.incarnation = "b"  # Ray started a new one
+    asyncio.run(service.probe_all())
+    assert client.get("/health").json() == {"status": "ok", "replicas_alive": 1}
+    assert service.router.indexes[0].match([1, 2, 3, 4, 5]) == 0
+    metrics = client.get("/metrics").text
+    assert 'radixkv_router_failures_total{replica="0"} 1.0' in metrics
+    assert 'radixkv_router_requests_total{replica="0"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path", ["/v2/nothing", "/v1/embeddings"])
+def test_unknown_routes_are_404_in_openai_shape(path):
+    _, client = serve([Scripted([])])
+    r = client.post(path, json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
