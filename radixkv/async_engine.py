@@ -120,12 +120,14 @@ class AsyncEngine:
         self.core.check_invariants()
 
     async def shutdown(self) -> None:
-        """Aborts every request still going, stops the loop thread and waits for it."""
+        """Aborts every request still going, stops the loop thread and waits for it, then
+        stops the tensor-parallel workers, if any."""
         for request_id in list(self._handles):
             self.core.abort(request_id, wait=False)
         self._stopping = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
+        self.core.close()
 
     # ----------------------------------------------------------- caller side
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine import Engine
 
 ENGINE_BENCH_CASES = ("decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512")
 """The cases of `radixkv bench engine` (radixkv.tools.bench_engine.CASES), named here so that
@@ -51,12 +55,26 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return bench_engine.run(args)
 
 
+def _bench_tp(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_tp
+
+    return bench_tp.run(args)
+
+
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
-    from radixkv import Engine, EngineConfig, SamplingParams
+    from radixkv import Engine, EngineConfig
     from radixkv.tools.engine_args import host_config
 
-    engine = Engine(EngineConfig(model=args.model, **host_config(args)))
+    tp = args.tensor_parallel_size
+    config = EngineConfig(model=args.model, tensor_parallel_size=tp, **host_config(args))
+    with Engine(config) as engine:
+        return _chat_loop(engine, args)
+
+
+def _chat_loop(engine: Engine, args: argparse.Namespace) -> int:
+    from radixkv import SamplingParams
+
     session = engine.chat(system=args.system)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     while True:
@@ -82,7 +100,7 @@ def _workload(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.cluster import launch as cluster_launch
     from radixkv.server import launch
-    from radixkv.tools import bench_replicas, engine_args, replay, simulate
+    from radixkv.tools import bench_replicas, bench_tp, engine_args, replay, simulate
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -108,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
+    )
     engine_args.add_host_arguments(chat)
     chat.set_defaults(func=_chat)
 
@@ -124,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
     )
     engine.set_defaults(func=_bench_engine)
+    tp = suites.add_parser("tp", help="step time with 1 rank and with N (tensor parallelism)")
+    bench_tp.add_arguments(tp)
+    tp.set_defaults(func=_bench_tp)
     replicas = suites.add_parser("replicas", help="one engine against N replicas by router")
     bench_replicas.add_arguments(replicas)
     replicas.set_defaults(func=_bench_replicas)

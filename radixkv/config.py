@@ -24,6 +24,9 @@ class EngineConfig:
     model's. `max_num_batched_tokens` is the per-step token budget: a longer prompt is prefilled
     in chunks. `scheduling` orders the waiting queue: `lpm` (longest cached prefix first, with
     aging so nothing starves) or `fcfs`. `device` None picks CUDA when present.
+    `tensor_parallel_size` N > 1 splits the model over N ranks, one process and device each
+    (`radixkv.model.parallel_runner`); `kv_cache_memory` and `host_kv_cache_memory` are then per
+    rank.
 
     `host_kv_cache_memory` (bytes or a size; 0, the default, is off) puts a host tier behind the
     device cache: evicted blocks are written there (pinned memory on CUDA) and loaded back on a
@@ -49,6 +52,7 @@ class EngineConfig:
     host_kv_cache_memory: int | str = 0
     host_write_through: bool = False
     preemption_mode: str = "recompute"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -64,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int):
+            raise ValueError(f"tensor_parallel_size must be an integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.scheduling not in SCHEDULING_POLICIES:

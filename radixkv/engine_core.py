@@ -45,6 +45,7 @@ from radixkv.errors import RequestError
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
+from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
 from radixkv.model.sampler import make_generator
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
@@ -60,7 +61,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible run to run
-        self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
+        # Tensor parallelism: the runner starts the other ranks and holds rank 0's shard.
+        parallel = ParallelRunner(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, parallel)
+        except BaseException:
+            if parallel is not None:
+                parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig, parallel: ParallelRunner | None) -> None:
+        if parallel is not None:
+            self.model = parallel.model
+        else:
+            self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
         self.tokenizer = self.model.tokenizer
         self.eos_token_ids: list[int] = list(self.model.eos_token_ids)
         self.vocab_size: int = self.model.vocab_size
@@ -73,7 +87,8 @@ class EngineCore:
             self.max_model_len = config.max_model_len
         m = self.model
         per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
-        budget = config.kv_cache_memory or kv_cache_budget(
+        profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
+        budget = config.kv_cache_memory or profile(
             m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
         )
@@ -87,10 +102,15 @@ class EngineCore:
             cache = RadixCache(self.pool, make_policy(config.eviction), host)
         self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
         num_host = host.pool.num_blocks if host else 0
-        graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
-        self.runner = ModelRunner(
-            m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
-        )
+        self.runner: ModelRunner | ParallelRunner
+        if parallel is not None:  # CUDA graphs stay off: a captured step would hold the all-reduces
+            parallel.allocate(self.pool.num_blocks, config.block_size, num_host)
+            self.runner = parallel
+        else:
+            graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
+            self.runner = ModelRunner(
+                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
+            )
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -238,6 +258,18 @@ class EngineCore:
                 hook(self)
             self._notify(ended + touched)
             return touched
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
+        requests. A single-rank engine holds nothing to release."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def has_work(self) -> bool:
         """Whether a step would do anything: requests queued, waiting or running, or aborts."""

@@ -12,3 +12,9 @@ class RequestError(RuntimeError):
         super().__init__(f"request {request_id} failed in an engine step: {type(cause).__name__}: {cause}")
         self.request_id = request_id
         self.__cause__ = cause
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel engine lost a rank: a worker died, stopped answering, or the ranks
+    diverged. Its workers are stopped and every later step raises this error, so the requests of
+    the step and of every later one fail with a `RequestError` caused by it."""

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
     engine.add_argument("--scheduling", default="lpm", choices=list(SCHEDULING_POLICIES))
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -66,6 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduling=args.scheduling,
         seed=args.seed,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -71,10 +71,15 @@ class RunResult:
 
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
-    """Replays every session of `workload` through a fresh engine built from `config`."""
+    """Replays every session of `workload` through a fresh engine built from `config`, closed
+    at the end (which stops its tensor-parallel workers, if any)."""
     from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
 
-    engine = Engine(config)
+    with Engine(config) as engine:
+        return _replay(engine, workload, speed, progress)
+
+
+def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> RunResult:
     usage = _UsageMeter()
     sessions = workload.sessions
     convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
@@ -215,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", default=None, help="e.g. 512MiB; default: a share of free memory"
     )
     parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
+    )
     add_host_arguments(parser)
     parser.add_argument(
         "--compare-host-tier",
@@ -244,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
         "eviction": args.eviction,
+        "tensor_parallel_size": args.tensor_parallel_size,
         **host_config(args),
     }
     if args.compare_host_tier and not base["host_kv_cache_memory"]:
