@@ -165,3 +165,26 @@ def test_a_beam_update_that_fails_halfway_leaks_nothing(model_folders):
         engine.beam_output(rid)
     no_leaks(engine)
     assert [b.token_ids for b in engine.beam_search(prompts()[1], params)] == want
+
+
+def test_a_failed_block_copy_fails_its_step_and_releases_the_copy_sources(model_folders, fresh):
+    """Beams fork and write into shared blocks, so their steps copy blocks first; the copy raises
+    once. The step's requests fail, the copies' source references go back, and the engine then
+    gives a fresh engine's beams."""
+    engine = Engine.from_pretrained(model_folders["llama"], **KW)
+    copy, fired = engine.runner.copy_blocks, []
+
+    def faulty(src: list[int], dst: list[int]) -> None:
+        if not fired:
+            fired.append(engine.num_steps)
+            raise Fault("injected")
+        copy(src, dst)
+
+    engine.runner.copy_blocks = faulty
+    prompt = prompts()[1]
+    with pytest.raises(RequestError) as info:
+        engine.beam_search(prompt, BEAMS)
+    assert fired and isinstance(info.value.__cause__, Fault)
+    no_leaks(engine)
+    assert [b.token_ids for b in engine.beam_search(prompt, BEAMS)] == fresh[1][0]
+    no_leaks(engine)

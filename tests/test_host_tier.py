@@ -50,7 +50,7 @@ def test_loads_and_offloads_are_queued_in_order_and_batched_by_kind():
     q.add(TransferKind.LOAD, [10], [1])  # reads what the offloads wrote: after them
     q.add(TransferKind.COPY, [1], [5])
     q.add(TransferKind.COPY, [5], [6])  # reads the last copy's destination: a new batch
-    kinds = [(t.kind, t.src, t.dst) for t in q.drain()]
+    kinds = [(t.kind, t.src, t.dst) for t in q.pending]
     assert kinds == [
         (TransferKind.OFFLOAD, [1, 2, 3], [10, 11, 12]),
         (TransferKind.LOAD, [10], [1]),

@@ -63,10 +63,11 @@ class TransferQueue:
         self._read.update(src)
         self._written.update(dst)
 
-    def drain(self) -> list[Transfer]:
-        out, self.pending = self.pending, []
-        self._read, self._written = set(), set()
-        return out
+    def pop_first(self) -> None:
+        """Takes the first pending transfer out of the queue (it has run)."""
+        self.pending.pop(0)
+        if not self.pending:
+            self._read, self._written = set(), set()
 
     def drop(self, kind: TransferKind) -> list[Transfer]:
         """Takes every pending transfer of `kind` out of the queue; returns them."""

@@ -266,18 +266,27 @@ class KVCacheManager:
                 table.blocks[i] = b
 
     def run_transfers(self, mover: BlockMover) -> None:
-        """Executes the step's pending block transfers through `mover`, then drops the
+        """Executes the step's pending block transfers through `mover`, in order, then drops the
         references they held. The engine calls it before every forward pass and `simulate`
-        after every request (with `NO_DATA`), so both release blocks through the same path."""
-        for t in self.transfers.drain():
+        after every request (with `NO_DATA`), so both release blocks through the same path.
+
+        A transfer leaves the queue only once it has run. When the mover raises, the failed one
+        and those after it stay queued: the failed step drops its copies (`drop_copies`, which
+        releases their sources), and the offloads and loads the tree already counts on run
+        before the next forward."""
+        queue = self.transfers
+        while queue.pending:
+            t = queue.pending[0]
             if t.kind is TransferKind.COPY:
                 mover.copy_blocks(t.src, t.dst)
-                for b in t.src:
-                    self.pool.decref(b)
             elif t.kind is TransferKind.OFFLOAD:
                 mover.offload(t.src, t.dst)
             else:
                 mover.load(t.src, t.dst)
+            queue.pop_first()
+            if t.kind is TransferKind.COPY:
+                for b in t.src:
+                    self.pool.decref(b)
 
     @property
     def pending_copies(self) -> list[tuple[int, int]]:
