@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto: the checkpoint's on CUDA, float32 on CPU",
+    )
     engine.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument(
