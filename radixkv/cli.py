@@ -63,12 +63,10 @@ def _bench_tp(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     """A chat in the terminal: each reply streams as it is made; an empty line or EOF ends it."""
-    from radixkv import Engine, EngineConfig
-    from radixkv.tools.engine_args import host_config
+    from radixkv import Engine
+    from radixkv.tools.engine_args import engine_config
 
-    tp = args.tensor_parallel_size
-    config = EngineConfig(model=args.model, tensor_parallel_size=tp, **host_config(args))
-    with Engine(config) as engine:
+    with Engine(engine_config(args)) as engine:
         return _chat_loop(engine, args)
 
 
@@ -122,14 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     chat = commands.add_parser("chat", help="chat with a model in the terminal")
-    chat.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
-    )
-    engine_args.add_host_arguments(chat)
+    engine_args.add_engine_arguments(chat)
     chat.set_defaults(func=_chat)
 
     bench = commands.add_parser("bench", help="benchmarks")

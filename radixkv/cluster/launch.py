@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise SystemExit('--replicas needs Ray Serve: pip install -e ".[cluster]"') from None
     from radixkv.cluster.deployment import build_application
-    from radixkv.server.launch import engine_config
+    from radixkv.tools.engine_args import engine_config
 
     config = engine_config(args)
     if args.ray_address:

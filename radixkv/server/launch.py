@@ -11,12 +11,10 @@ import argparse
 import logging
 import signal
 
-from radixkv.cache.eviction import POLICIES
-from radixkv.config import SCHEDULING_POLICIES, EngineConfig
+from radixkv.tools.engine_args import add_engine_arguments, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
     parser.add_argument(
         "--served-model-name", default=None, help="the name clients ask for (default: --model)"
     )
@@ -36,44 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds running requests get to finish on SIGTERM",
     )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-        help="auto: the checkpoint's on CUDA, float32 on CPU",
-    )
-    engine.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument(
-        "--kv-cache-memory", default=None, help="e.g. 512MiB; default: a share of free memory"
-    )
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=128)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    engine.add_argument("--no-prefix-cache", action="store_true", help="switch the prefix cache off")
-    engine.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
-    engine.add_argument("--scheduling", default="lpm", choices=list(SCHEDULING_POLICIES))
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
-    )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_cache=not args.no_prefix_cache,
-        eviction=args.eviction,
-        scheduling=args.scheduling,
-        seed=args.seed,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

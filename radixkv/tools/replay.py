@@ -19,17 +19,16 @@ import heapq
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from radixkv.cache.eviction import POLICIES
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
 from radixkv.sampling_params import SamplingParams
-from radixkv.tools.engine_args import add_host_arguments, host_config
+from radixkv.tools.engine_args import add_engine_arguments, engine_config
 from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
 from radixkv.workloads.format import Workload, read_workload
 
@@ -210,20 +209,11 @@ def progress_bar(total: int, enabled: bool) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workload", type=Path, help="a workload file (JSONL, one chat session a line)")
-    parser.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
     parser.add_argument("--compare", action="store_true", help="replay again with the prefix cache off")
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--plot", type=Path, help="write a PNG of TTFT and hit rate here (needs matplotlib)")
     parser.add_argument("--speed", type=float, default=1.0, help="arrival and think times divided by this")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--kv-cache-memory", default=None, help="e.g. 512MiB; default: a share of free memory"
-    )
-    parser.add_argument("--eviction", default="lru", choices=sorted(POLICIES))
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="split the model over N ranks, a process each"
-    )
-    add_host_arguments(parser)
+    add_engine_arguments(parser, prefix_cache_switch=False)
     parser.add_argument(
         "--compare-host-tier",
         action="store_true",
@@ -247,24 +237,26 @@ def run(args: argparse.Namespace) -> int:
     workload = read_workload(args.workload)
     if args.url is not None:
         return _run_remote(args, workload)
+    config = engine_config(args)
     base = {
-        "model": args.model,
-        "block_size": args.block_size,
-        "kv_cache_memory": args.kv_cache_memory,
-        "eviction": args.eviction,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        **host_config(args),
+        "model": config.model,
+        "block_size": config.block_size,
+        "kv_cache_memory": config.kv_cache_memory,
+        "eviction": config.eviction,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "host_kv_cache_memory": config.host_kv_cache_memory,
+        "host_write_through": config.host_write_through,
+        "preemption_mode": config.preemption_mode,
     }
     if args.compare_host_tier and not base["host_kv_cache_memory"]:
         raise ValueError("--compare-host-tier needs --host-kv-cache-memory")
     progress = sys.stderr.isatty() and not args.json
-    runs = {"prefix_cache": replay(workload, EngineConfig(**base), args.speed, progress)}
+    runs = {"prefix_cache": replay(workload, config, args.speed, progress)}
+    device_only = replace(config, host_kv_cache_memory=0, preemption_mode="recompute")
     if args.compare_host_tier:
-        device_only = {**base, "host_kv_cache_memory": 0, "preemption_mode": "recompute"}
-        runs["no_host_tier"] = replay(workload, EngineConfig(**device_only), args.speed, progress)
+        runs["no_host_tier"] = replay(workload, device_only, args.speed, progress)
     if args.compare:
-        off = {**base, "host_kv_cache_memory": 0, "preemption_mode": "recompute"}
-        off_config = EngineConfig(**off, enable_prefix_cache=False)
+        off_config = replace(device_only, enable_prefix_cache=False)
         runs["no_prefix_cache"] = replay(workload, off_config, args.speed, progress)
     tokenizer = workload_tokenizer(workload, args.model)
     report = {
