@@ -85,7 +85,7 @@ class ModelRunner:
         self.k_caches = list(self.kv_cache[0].unbind(0))
         self.v_caches = list(self.kv_cache[1].unbind(0))
         self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
-        self.host = HostKVCache(num_host_blocks, self.k_caches + self.v_caches) if num_host_blocks else None
+        self.host = HostKVCache(num_host_blocks, self.kv_cache) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
@@ -153,12 +153,12 @@ class ModelRunner:
     def offload(self, src: list[int], dst: list[int]) -> None:
         """Copy device blocks `src[i]` to host blocks `dst[i]` (the host tier), every layer."""
         self._check_block_ids(src)
-        self.host.offload(self.k_caches + self.v_caches, src, dst)
+        self.host.offload(self.kv_cache, src, dst)
 
     def load(self, src: list[int], dst: list[int]) -> None:
         """Copy host blocks `src[i]` back to device blocks `dst[i]`, every layer."""
         self._check_block_ids(dst)
-        self.host.load(self.k_caches + self.v_caches, src, dst)
+        self.host.load(self.kv_cache, src, dst)
 
     def _check_block_ids(self, blocks: list[int]) -> None:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
