@@ -202,6 +202,7 @@ def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(l
 
 
 def test_a_size_the_heads_do_not_allow_fails_before_any_process(model_folders, monkeypatch) -> None:
+    before = set(multiprocessing.active_children())  # a module engine's workers may be alive
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the 4 heads"):
         Engine.from_pretrained(model_folders["llama"], tensor_parallel_size=3)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -209,7 +210,7 @@ def test_a_size_the_heads_do_not_allow_fails_before_any_process(model_folders, m
         Engine(EngineConfig(model=str(model_folders["llama"]), tensor_parallel_size=2, device="cuda"))
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_each_rank_keeps_the_kv_head_its_query_heads_attend_to() -> None:
@@ -270,6 +271,7 @@ def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference
 )
 def test_every_engine_command_takes_the_size_to_the_engine(argv, capsys) -> None:
     """3 ranks over tiny-llama's 8 query heads reaches the engine's check, before any process."""
+    before = set(multiprocessing.active_children())  # a module engine's workers may be alive
     assert main([*argv, "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size 3 does not divide the 8 heads" in capsys.readouterr().err
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= before
