@@ -207,6 +207,8 @@ def test_gpu_plan_splits_small_decode_batches_only(monkeypatch: pytest.MonkeyPat
     assert decode.num_splits > 1 and decode.block_q * 4 == 16 and decode.items == 1
     assert decode.num_splits & (decode.num_splits - 1) == 0
     assert prefill.num_splits == 1 and prefill.block_q * 4 == 64
+    # A GPU copy plan is one shape per row length (one compile), whatever the number of rows.
+    assert launch_plan.plan_copy(1, 256, interpreted=False) == launch_plan.plan_copy(300, 256, interpreted=False)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the import order matters for the interpreter only")

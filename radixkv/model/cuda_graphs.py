@@ -36,7 +36,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards of one runner, by bucket, captured on first use."""
+    """Captured decode forwards of one runner, by bucket, all captured at start (`capture_all`)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
         self.runner = runner
@@ -65,8 +65,8 @@ class DecodeGraphs:
             and step.block_table.shape[1] <= self.block_table.shape[1]
         )
 
-    def run(self, step: HostBatch) -> torch.Tensor | None:
-        """Float32 logits `[S, vocab]` of the step by graph replay; None when capture failed."""
+    def run(self, step: HostBatch) -> torch.Tensor:
+        """Float32 logits `[S, vocab]` of the step (one that `fits`) by graph replay."""
         num_seqs, width = step.block_table.shape
         bucket = next(b for b in self.buckets if b >= num_seqs)
         self.input_ids[:, :num_seqs].copy_(step.input_ids)
@@ -76,10 +76,7 @@ class DecodeGraphs:
         self.seq_lens[:num_seqs].copy_(step.seq_lens)
         self.seq_lens[num_seqs:bucket].fill_(1)
         self.block_table[:num_seqs, :width].copy_(step.block_table)
-        entry = self._graphs.get(bucket) or self._capture(bucket)
-        if entry is None:
-            return None
-        graph, logits = entry
+        graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:num_seqs].clone()  # the graph overwrites its output at the next replay
 
@@ -103,9 +100,21 @@ class DecodeGraphs:
         )
         return output.logits[0].float()
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """Warm up on a side stream (Triton compiles there; the buffers hold this step's inputs, so
-        the warm-up stores exactly the KV the replay will), then capture into a shared pool."""
+    def capture_all(self) -> None:
+        """Captures every bucket, largest first (the smaller ones reuse its pool's memory), as vLLM
+        does at start: a first decode of each size would otherwise stall every request in flight for
+        the capture and for Triton's compile of its launch plan. The buffers hold padding rows
+        meanwhile (slot -1, length 1, block 0), so the forwards store nothing. A failed capture
+        leaves the runner eager (`failed`)."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_table.zero_()
+        for size in reversed(self.buckets):
+            if not self._capture(size):
+                return
+
+    def _capture(self, size: int) -> bool:
+        """Warm up on a side stream (Triton compiles there), then capture into the shared pool."""
         try:
             side = torch.cuda.Stream(self.runner.device)
             side.wait_stream(torch.cuda.current_stream(self.runner.device))
@@ -119,7 +128,7 @@ class DecodeGraphs:
             message = f"CUDA graph capture failed (batch {size}); decoding eagerly: {error}"
             warnings.warn(message, stacklevel=2)
             self.failed = True
-            return None
+            return False
         self._pool = graph.pool()
         self._graphs[size] = (graph, logits)
-        return self._graphs[size]
+        return True

@@ -89,6 +89,20 @@ class ModelRunner:
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiles the step's kernels before the first request: a prefill forward, a block copy,
+        then every decode graph (`DecodeGraphs.capture_all`). Otherwise the first step of each new
+        shape stalls every request in flight for a Triton compile (about a second each; Triton's
+        disk cache makes later starts quicker). The prefill writes into block 0 and the copy into
+        block 1, both free at start: a block's slots are always stored before they are read."""
+        self.forward([SequenceChunk([0] * min(self.block_size, 2), 0, [0])])
+        if self.num_blocks > 1:
+            self.copy_blocks([0], [1])
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
@@ -99,9 +113,7 @@ class ModelRunner:
         """
         step = self.batch.prepare(chunks)
         if self.graphs is not None and self.graphs.fits(step):
-            logits = self.graphs.run(step)
-            if logits is not None:
-                return logits
+            return self.graphs.run(step)
         output = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,

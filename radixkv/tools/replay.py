@@ -15,6 +15,7 @@ infinite cache would find in the workload's prompts (`radixkv.tools.simulate`).
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import json
 import sys
@@ -251,13 +252,18 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_host_tier and not base["host_kv_cache_memory"]:
         raise ValueError("--compare-host-tier needs --host-kv-cache-memory")
     progress = sys.stderr.isatty() and not args.json
-    runs = {"prefix_cache": replay(workload, config, args.speed, progress)}
     device_only = replace(config, host_kv_cache_memory=0, preemption_mode="recompute")
+    configs = {"prefix_cache": config}
     if args.compare_host_tier:
-        runs["no_host_tier"] = replay(workload, device_only, args.speed, progress)
+        configs["no_host_tier"] = device_only
     if args.compare:
-        off_config = replace(device_only, enable_prefix_cache=False)
-        runs["no_prefix_cache"] = replay(workload, off_config, args.speed, progress)
+        configs["no_prefix_cache"] = replace(device_only, enable_prefix_cache=False)
+    runs = {}
+    for name, run_config in configs.items():
+        runs[name] = replay(workload, run_config, args.speed, progress)
+        # An engine's reference cycles hold its KV cache until a collection: free it before the next
+        # run's engine sizes its own cache from the memory left (on CUDA, by a profiling forward).
+        gc.collect()
     tokenizer = workload_tokenizer(workload, args.model)
     report = {
         "workload": str(args.workload),
