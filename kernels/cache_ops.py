@@ -14,7 +14,7 @@ from radixkv.kernels.dispatch import dual_jit, interpreted, launch_guard
 from radixkv.kernels.launch_plan import plan_copy
 
 
-@dual_jit
+@dual_jit(do_not_specialize=("num_tokens",))
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
@@ -34,7 +34,7 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@dual_jit
+@dual_jit(do_not_specialize=("num_pairs",))
 def _copy_blocks_kernel(
     k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, num_pairs, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, TOKEN_LEN: tl.constexpr, BLOCK_LEN: tl.constexpr,

@@ -36,17 +36,22 @@ class DualKernel:
     `kernel.on(device)[grid](...)` launches the right one; the caller holds `launch_guard()`.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.compiled = JITFunction(fn)
+    def __init__(self, fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> None:
+        self.compiled = JITFunction(fn, do_not_specialize=list(do_not_specialize))
         self.interpreted = InterpretedFunction(fn)
 
     def on(self, device: torch.device) -> Any:
         return self.interpreted if interpreted(device) else self.compiled
 
 
-def dual_jit(fn: Callable[..., Any]) -> DualKernel:
-    """Decorator: a `DualKernel` of `fn`, written as for `triton.jit`."""
-    return DualKernel(fn)
+def dual_jit(*, do_not_specialize: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], DualKernel]:
+    """Decorator: a `DualKernel` of the function, written as for `triton.jit`.
+
+    Triton compiles a variant of a kernel per value class of each integer argument (1, a multiple of
+    16, other). `do_not_specialize` names the arguments that change from step to step (token and
+    item counts), so a step of a new size reuses the kernel compiled at start instead of stalling
+    its requests for a compile."""
+    return lambda fn: DualKernel(fn, do_not_specialize)
 
 
 def launch_guard() -> threading.Lock:

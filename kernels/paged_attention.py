@@ -40,7 +40,7 @@ from radixkv.kernels.launch_plan import (
 LOG2E = 1.4426950408889634
 
 
-@dual_jit
+@dual_jit(do_not_specialize=("num_items", "kv_per_split"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
@@ -132,7 +132,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
-@dual_jit
+@dual_jit()
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,

@@ -38,6 +38,9 @@ def check_against_scratch(batch: PersistentBatch, chunks: list[SequenceChunk]) -
     assert step.query_start_loc.tolist() == starts
     for i, chunk in enumerate(chunks):
         assert step.block_table[i, : len(chunk.block_table)].tolist() == chunk.block_table
+    # Every tensor of the step starts 16-byte aligned whatever the batch's sizes (Triton compiles a
+    # kernel variant per alignment of its pointer arguments).
+    assert all(t.data_ptr() % 16 == 0 for t in step)
 
 
 @pytest.mark.parametrize("seed", range(3))

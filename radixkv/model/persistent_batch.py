@@ -26,6 +26,10 @@ import torch
 if TYPE_CHECKING:
     from radixkv.model.runner import SequenceChunk
 
+_ALIGN = 4
+"""int32 elements in 16 bytes: the alignment each part of the packed step tensor starts on."""
+
+
 class HostBatch(NamedTuple):
     """One step's metadata as device tensors (views of one transfer), int32 throughout."""
 
@@ -84,9 +88,13 @@ class PersistentBatch:
 
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, len(logit_rows))
         sizes += (num_seqs * width,)
-        host = torch.empty(sum(sizes), dtype=torch.int32, device="cpu", pin_memory=self._pin)
+        # Every part starts on a 16-byte boundary. Triton specializes a kernel on whether each
+        # pointer argument is 16-byte aligned, so parts at offsets that vary with the batch would
+        # compile a variant per combination, each stalling its step for about a second on a GPU.
+        starts = np.cumsum([0, *(-(-n // _ALIGN) * _ALIGN for n in sizes)])
+        host = torch.empty(int(starts[-1]), dtype=torch.int32, device="cpu", pin_memory=self._pin)
         flat = host.numpy()
-        part = np.split(flat, np.cumsum(sizes[:-1]))
+        part = [flat[a : a + n] for a, n in zip(starts[:-1], sizes, strict=True)]
         if num_tokens == num_seqs:
             part[0][:] = [c.token_ids[0] for c in chunks]
         else:
@@ -98,7 +106,7 @@ class PersistentBatch:
         part[5][:] = logit_rows
         part[6].reshape(num_seqs, width)[:] = table[:num_seqs, :width]
         device = host.to(self.device, non_blocking=True)
-        views = device.split(sizes)
+        views = [device[a : a + n] for a, n in zip(starts[:-1], sizes, strict=True)]
         return HostBatch(
             input_ids=views[0].unsqueeze(0),
             position_ids=views[1].unsqueeze(0),
