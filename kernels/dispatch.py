@@ -49,8 +49,8 @@ def dual_jit(*, do_not_specialize: tuple[str, ...] = ()) -> Callable[[Callable[.
 
     Triton compiles a variant of a kernel per value class of each integer argument (1, a multiple of
     16, other). `do_not_specialize` names the arguments that change from step to step (token and
-    item counts), so a step of a new size reuses the kernel compiled at start instead of stalling
-    its requests for a compile."""
+    item counts, the block table's width), so a step of a new size reuses the kernel compiled at
+    start instead of stalling its requests for a compile."""
     return lambda fn: DualKernel(fn, do_not_specialize)
 
 

@@ -40,7 +40,7 @@ from radixkv.kernels.launch_plan import (
 LOG2E = 1.4426950408889634
 
 
-@dual_jit(do_not_specialize=("num_items", "kv_per_split"))
+@dual_jit(do_not_specialize=("num_items", "kv_per_split", "stride_bt"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
