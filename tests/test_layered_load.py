@@ -184,3 +184,40 @@ def test_a_fault_in_a_load_finished_early_fails_only_its_step(model_folders, ref
     assert again.num_cached_tokens == len(a) - 1
     assert again.token_ids == transformers_greedy(reference_models["llama"], a, 8)
     no_leaks(e)
+
+
+class ReplayStandIn:
+    """Stands in for `DecodeGraphs` on a CPU: takes the steps a graph would (one new token and
+    one logits row per sequence) and runs them as a replay does, reading every layer's cache
+    without a call back for the step's loads."""
+
+    failed = False
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.replays = runner, 0
+
+    def fits(self, step) -> bool:
+        return step.input_ids.shape[1] == step.seq_lens.shape[0] == step.logit_rows.shape[0]
+
+    def run(self, step) -> torch.Tensor:
+        self.replays += 1
+        output = self.runner.model(
+            input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
+            logits_to_keep=step.logit_rows, paged_batch=self.runner.paged_batch(step),
+        )
+        return output.logits[0].float()
+
+
+def test_a_decode_step_that_replays_a_graph_finishes_its_loads_first(model_folders):
+    """Swap preemption over 52 blocks: swapped-out decodes come back in pure decode steps, which
+    a CUDA graph replays; their loads are finished before the replay, and the outputs are an
+    unpreempted run's."""
+    batch = prompts(6, seed=2, low=20, high=40)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB")
+    expected = [o.token_ids for o in roomy.generate(batch, params)]
+    tight = engine(model_folders, device_kib=104, host_kib=512, preemption_mode="swap")
+    tight.runner.graphs = ReplayStandIn(tight.runner)
+    assert [o.token_ids for o in tight.generate(batch, params)] == expected
+    assert tight.runner.graphs.replays > 0 and tight.runner.num_early_loads > 0
+    assert tight.metrics()["num_swapped_in_blocks"] > 0
