@@ -25,49 +25,46 @@ from radixkv.model.runner import ModelRunner, SequenceChunk
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def test_deferred_loads_leave_the_cache_as_copies_made_at_once_would(llama_gqa):
+def check_transfers_against_copies_at_once(runner: ModelRunner, monkeypatch, steps: int = 25) -> None:
     """Copies, offloads and loads in random order, each step then a forward over block 0 alone:
-    the device and host tensors equal a reference that copies every transfer when it is called.
-    Copies that read or overwrite loaded blocks join the layered load; offloads that read them
-    finish it first; both happen here."""
-    runner = ModelRunner(llama_gqa, num_blocks=16, block_size=4, num_host_blocks=12)
+    the device and host tensors equal a reference (on the CPU) that copies every transfer when
+    it is called. Copies that read or overwrite loaded blocks join the layered load; offloads
+    that read them finish it first; both happen."""
+    num_blocks, num_host = runner.num_blocks, runner.host.num_blocks
     generator = torch.Generator().manual_seed(0)
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=generator))
     runner.host.tensor.copy_(torch.randn(runner.host.tensor.shape, generator=generator))
-    device, host = runner.kv_cache.clone(), runner.host.tensor.clone()
+    device, host = runner.kv_cache.cpu(), runner.host.tensor.clone()
     joined = []
     add_copy = LayeredLoad.add_copy
-
-    def counted(self, src, dst):
-        joined.append(src)
-        add_copy(self, src, dst)
-
-    LayeredLoad.add_copy = counted
+    monkeypatch.setattr(LayeredLoad, "add_copy", lambda self, s, d: (joined.append(s), add_copy(self, s, d)))
     rng = random.Random(0)
-    try:
-        for _ in range(25):
-            for _ in range(rng.randrange(1, 6)):
-                kind, n = rng.choice(["copy", "offload", "load"]), rng.randrange(1, 4)
-                if kind == "copy":
-                    blocks = rng.sample(range(1, 16), 2 * n)
-                    src, dst = blocks[:n], blocks[n:]
-                    runner.copy_blocks(src, dst)
-                    device[:, :, dst] = device[:, :, src]
-                elif kind == "offload":
-                    src, dst = rng.sample(range(1, 16), n), rng.sample(range(12), n)
-                    runner.offload(src, dst)
-                    host[:, :, dst] = device[:, :, src]
-                else:
-                    src, dst = rng.sample(range(12), n), rng.sample(range(1, 16), n)
-                    runner.load(src, dst)
-                    device[:, :, dst] = host[:, :, src]
-            runner.forward([SequenceChunk([5, 6, 7], 0, [0])])  # writes block 0, which no transfer touches
-            assert runner.pending_load is None
-            assert torch.equal(runner.kv_cache[:, :, 1:], device[:, :, 1:])
-            assert torch.equal(runner.host.tensor, host)
-    finally:
-        LayeredLoad.add_copy = add_copy
+    for _ in range(steps):
+        for _ in range(rng.randrange(1, 6)):
+            kind, n = rng.choice(["copy", "offload", "load"]), rng.randrange(1, 4)
+            if kind == "copy":
+                blocks = rng.sample(range(1, num_blocks), 2 * n)
+                src, dst = blocks[:n], blocks[n:]
+                runner.copy_blocks(src, dst)
+                device[:, :, dst] = device[:, :, src]
+            elif kind == "offload":
+                src, dst = rng.sample(range(1, num_blocks), n), rng.sample(range(num_host), n)
+                runner.offload(src, dst)
+                host[:, :, dst] = device[:, :, src]
+            else:
+                src, dst = rng.sample(range(num_host), n), rng.sample(range(1, num_blocks), n)
+                runner.load(src, dst)
+                device[:, :, dst] = host[:, :, src]
+        runner.forward([SequenceChunk([5, 6, 7], 0, [0])])  # writes block 0, which no transfer touches
+        assert runner.pending_load is None
+        assert torch.equal(runner.kv_cache[:, :, 1:].cpu(), device[:, :, 1:])
+        assert torch.equal(runner.host.tensor, host)
     assert runner.num_layered_loads > 0 and runner.num_early_loads > 0 and joined
+
+
+def test_deferred_loads_leave_the_cache_as_copies_made_at_once_would(llama_gqa, monkeypatch):
+    runner = ModelRunner(llama_gqa, num_blocks=16, block_size=4, num_host_blocks=12)
+    check_transfers_against_copies_at_once(runner, monkeypatch)
 
 
 def chat_turns(
