@@ -20,9 +20,9 @@ with a synchronising copy, its copy-on-write copies and forward) comes after the
 loads read host memory only when they are staged, so a host block freed by a load can be reused
 by any offload queued after it, in the same step or later. A staging buffer is a pinned block of
 PyTorch's caching host allocator, which records the side stream's copy from it and hands the
-block out again only once that copy has finished; the runner also keeps its last load (and so
-its buffers) until the next step's forward, after the step's sampling has synchronised the
-compute stream.
+block out again only once that copy has finished; besides, the runner keeps its last finished
+load (`last_load`, and so its buffers) until another one finishes, by which time the step's
+sampling has synchronised the compute stream, and with it every copy of that load.
 
 Order. Every queued write runs layer by layer in the order it was queued. A device-to-device
 copy (copy-on-write) that reads or overwrites a block a queued write targets, or overwrites a

@@ -101,7 +101,7 @@ class ModelRunner:
         on_cuda = self.host is not None and self.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.pending_load: LayeredLoad | None = None
-        self.last_load: LayeredLoad | None = None  # the last finished one: its staging lives until the next
+        self.last_load: LayeredLoad | None = None  # the last finished one, with its staging
         self.num_layered_loads = 0  # forwards that wrote their loads layer by layer
         self.num_early_loads = 0  # loads finished before their forward (an offload, a graph replay)
 
