@@ -131,12 +131,12 @@ def fail_layer_1(e: Engine, monkeypatch, whole_step: bool) -> list[int]:
 def test_a_fault_in_the_forward_s_layered_load_fails_only_its_step(
     model_folders, reference_models, monkeypatch, whole_step
 ):
-    """The chats above; the first load fails at layer 1's attention. Once: the forward's cleanup
-    finishes the load. For the whole step: the cleanup fails too, the load stays pending and the
-    next step resumes it. Only that turn fails (every other answer is transformers'); nothing
-    leaks and the books hold after every step; the failed turn, sent again, finds on the device
-    the blocks the failed step loaded (it loads nothing) and answers as transformers does, so
-    their data is whole."""
+    """Four chats of two turns as above; the first load fails at layer 1's attention. Once: the
+    forward's cleanup finishes the load. For the whole step: the cleanup fails too, the load
+    stays pending and the next step resumes it. Only that turn fails (every other answer is
+    transformers'); nothing leaks and the books hold after every step; the failed turn, sent
+    again, finds on the device the blocks the failed step loaded (it loads nothing) and answers
+    as transformers does, so their data is whole."""
     e = engine(model_folders, device_kib=48, host_kib=256)
     fired = fail_layer_1(e, monkeypatch, whole_step)
     failures = []
@@ -152,7 +152,7 @@ def test_a_fault_in_the_forward_s_layered_load_fails_only_its_step(
         failures.append(prompt)
         return out.token_ids
 
-    turns = chat_turns(e, num_chats=6, num_turns=3, on_failure=again)
+    turns = chat_turns(e, num_chats=4, num_turns=2, on_failure=again)
     assert failures and len(set(fired)) == 1 and len(fired) == 1 + whole_step
     assert e.runner.pending_load is None
     no_leaks(e)
