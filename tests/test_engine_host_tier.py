@@ -85,6 +85,7 @@ def test_swap_preemption_gives_the_outputs_of_an_unpreempted_run(model_folders, 
     m = tight.metrics()
     assert m["num_preemptions"] > 0
     assert m["num_swapped_out_blocks"] > 0 and m["num_swapped_in_blocks"] > 0
+    assert tight.runner.num_layered_loads > 0, "no swap-in was loaded layer by layer in a forward"
     assert tight.pool.num_free + tight.kv.cache.evictable_size == tight.pool.num_blocks, "blocks leaked"
     assert tight.kv.cache.protected_size == 0, "a swap lock was never released"
 

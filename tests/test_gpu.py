@@ -174,3 +174,66 @@ def test_bench_kernels_reports_decode_bandwidth_against_the_peak():
     bandwidth = json.loads(out.getvalue())["bandwidth"]
     assert bandwidth["num_seqs"] == 64 and bandwidth["seq_len"] == 4096 and bandwidth["head_dim"] == 128
     assert 0 < bandwidth["fraction_of_peak"] <= 1.0
+
+
+def test_layered_loads_on_a_side_stream_equal_copies_made_at_once(monkeypatch):
+    """The runner's copies, offloads and loads on CUDA (pinned host tier, loads on the side
+    stream, one event per layer) leave the device and host tensors as a CPU reference that makes
+    every copy when it is called."""
+    from conftest import _llama_gqa_config
+    from test_layered_load import check_transfers_against_copies_at_once
+
+    from radixkv.model.loader import build_random_model
+    from radixkv.model.runner import ModelRunner
+
+    loaded = build_random_model(_llama_gqa_config(), dtype=torch.float32, device="cuda", seed=0)
+    runner = ModelRunner(loaded, num_blocks=64, block_size=16, num_host_blocks=48)
+    assert runner.load_stream is not None and runner.host.tensor.is_pinned()
+    check_transfers_against_copies_at_once(runner, monkeypatch, steps=40)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_host_tier_loads_on_cuda_match_transformers(model_folders, reference_models, enforce_eager):
+    """Multi-turn chats over 24 device blocks and a host tier: later turns load earlier turns
+    back, layer by layer on the runner's side stream (each layer's event recorded there and
+    waited for), and every answer equals transformers' greedy one on CUDA."""
+    from test_layered_load import chat_turns
+
+    reference = cuda_reference(reference_models, "llama")
+    engine = Engine.from_pretrained(
+        model_folders["llama"], dtype="float32", device="cuda", block_size=4, kv_cache_memory="48KiB",
+        host_kv_cache_memory="256KiB", enforce_eager=enforce_eager,
+    )
+    engine.step_hooks.append(Engine.check_invariants)
+    turns = chat_turns(engine, num_chats=6, num_turns=3)
+    m = engine.metrics()
+    assert m["num_loaded_blocks"] > 0 and m["host_cache_hits"] > 0
+    runner = engine.runner
+    assert runner.num_layered_loads > 0 and runner.last_load.stream is runner.load_stream is not None
+    events = runner.last_load.events
+    assert len(events) == runner.kv_cache.shape[1] and all(event.query() for event in events)
+    for prompt, answer in turns:
+        assert answer == greedy_reference(reference, prompt, 8)
+    if not enforce_eager:
+        assert not runner.graphs.failed
+
+
+def test_swap_preemption_on_cuda_finishes_loads_before_a_graph_replay(model_folders, reference_models):
+    """Swapped-out decodes come back in pure decode steps, which replay CUDA graphs: their loads
+    are finished (the compute stream waits on every layer) before the replay, and every output
+    equals transformers' greedy one on CUDA."""
+    from test_engine_host_tier import prompts
+
+    reference = cuda_reference(reference_models, "llama")
+    engine = Engine.from_pretrained(
+        model_folders["llama"], dtype="float32", device="cuda", block_size=4, kv_cache_memory="104KiB",
+        host_kv_cache_memory="512KiB", preemption_mode="swap",
+    )
+    batch = prompts(6, seed=2, low=20, high=40)
+    outs = engine.generate(batch, SamplingParams(max_tokens=24, temperature=0.0))
+    m = engine.metrics()
+    assert m["num_preemptions"] > 0 and m["num_swapped_in_blocks"] > 0
+    assert engine.runner.num_early_loads > 0 and not engine.runner.graphs.failed
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == greedy_reference(reference, prompt, 24)
+    engine.check_invariants()

@@ -12,7 +12,9 @@ pool evicts by its own policy, whole nodes at a time.
 Transfers are executed in the order they were queued, and every transfer is queued when its
 source holds the data it copies: a device block freed by eviction can be handed out again at
 once, because the offload that reads it runs before anything queued later writes it, and the
-forward pass writes only after the whole queue has run. Consecutive transfers of one kind are
+forward pass writes a layer only after that layer's transfers have run. (The model runner may
+write a load's device blocks later than it is called, layer by layer during the forward, but
+keeps this order: see `radixkv.model.layered_load`.) Consecutive transfers of one kind are
 merged into one batched call.
 """
 

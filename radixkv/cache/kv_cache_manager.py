@@ -38,7 +38,10 @@ class BlockMover(Protocol):
         """Copies device blocks `src[i]` to host blocks `dst[i]`."""
 
     def load(self, src: list[int], dst: list[int]) -> None:
-        """Copies host blocks `src[i]` to device blocks `dst[i]`."""
+        """Copies host blocks `src[i]` to device blocks `dst[i]`. It must read the host blocks
+        before it returns; it may write the device blocks later, as long as every later call
+        and the next forward pass see them written (the model runner writes them layer by
+        layer in that forward)."""
 
 
 class _NoData:
@@ -270,10 +273,13 @@ class KVCacheManager:
         references they held. The engine calls it before every forward pass and `simulate`
         after every request (with `NO_DATA`), so both release blocks through the same path.
 
-        A transfer leaves the queue only once it has run. When the mover raises, the failed one
-        and those after it stay queued: the failed step drops its copies (`drop_copies`, which
-        releases their sources), and the offloads and loads the tree already counts on run
-        before the next forward."""
+        A transfer leaves the queue only once the mover took it (a load may complete during
+        the forward: see `BlockMover.load`; a copy-on-write copy of a block loaded in the same
+        step then completes with it, so its source reference is dropped once the mover took
+        it, as for any copy: the mover holds the order from there). When the mover raises, the
+        failed one and those after it stay queued: the failed step drops its copies
+        (`drop_copies`, which releases their sources), and the offloads and loads the tree
+        already counts on run before the next forward."""
         queue = self.transfers
         while queue.pending:
             t = queue.pending[0]

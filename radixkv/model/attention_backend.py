@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 
 from radixkv.kernels import AttentionLaunches, paged_attention, store_kv
+from radixkv.model.layered_load import LayeredLoad
 
 PAGED_ATTENTION = "radixkv_paged"
 
@@ -28,6 +29,8 @@ class PagedBatch:
     `slot_mapping[t]` is `block * block_size + offset` of new token t; `block_table`, `seq_lens`
     and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`; `launches` is
     its plan for this batch, made once per step (`plan_paged_attention`) rather than per layer.
+    `load`, when set, holds the step's host-tier loads: each layer waits for its own part of them
+    before it touches its cache (`radixkv.model.layered_load`).
     """
 
     k_caches: list[torch.Tensor]
@@ -37,6 +40,7 @@ class PagedBatch:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     launches: AttentionLaunches
+    load: LayeredLoad | None = None
 
 
 def paged_attention_forward(
@@ -61,6 +65,8 @@ def paged_attention_forward(
             "run it through ModelRunner.forward, or run a copy of the model made before binding"
         )
     layer = module.layer_idx
+    if paged_batch.load is not None:  # this layer's loaded blocks are in before we store or read
+        paged_batch.load.wait(layer)
     k_cache, v_cache = paged_batch.k_caches[layer], paged_batch.v_caches[layer]
     store_kv(
         key[0].transpose(0, 1),

@@ -11,8 +11,8 @@ is a fork of it (under a second), and, the server never having touched a device,
 them as with spawn.
 
 Each step is one message per worker, pickled once: the block transfers made since the last step
-(copy-on-write copies and host-tier offloads and loads, run here at once and sent, in order,
-with the next forward) and the step's chunks, from which every rank
+(copy-on-write copies and host-tier offloads and loads, run here at once, loads layer by layer
+in the forward, and sent, in order, with the next forward) and the step's chunks, from which every rank
 derives the same positions, slots and block tables. Rank 0 runs its shard meanwhile, the ranks
 meet in the rowwise all-reduces, and rank 0 returns the full logits (its LM head is whole) after
 every worker has answered. Every rank holds the same blocks over its own heads, so the radix

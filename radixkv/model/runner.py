@@ -19,6 +19,7 @@ from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.host_kv import HostKVCache
+from radixkv.model.layered_load import LayeredLoad
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 
@@ -59,6 +60,14 @@ class ModelRunner:
     model's attention to the paged cache (`set_attn_implementation`); a plain transformers forward
     needs a copy made before. On CUDA, with `cuda_graph_max_seqs` > 0, decode steps of up to that
     many sequences replay captured CUDA graphs (`radixkv.model.cuda_graphs`).
+
+    Host-tier loads are staged when `load` is called and written into the cache during the next
+    forward, layer by layer, each layer before its attention (`radixkv.model.layered_load`; on
+    CUDA on the side stream `load_stream`). Until then they are this runner's `pending_load`: a
+    copy-on-write copy that touches their blocks joins it, an offload that reads their blocks
+    finishes it first, and a forward that replays a CUDA graph finishes it before the replay.
+    A forward that fails still finishes it (the cache's books count on the data); if that
+    fails too, it stays pending and the next forward resumes it where it stopped.
     """
 
     def __init__(
@@ -89,6 +98,12 @@ class ModelRunner:
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
+        on_cuda = self.host is not None and self.device.type == "cuda"
+        self.load_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self.pending_load: LayeredLoad | None = None
+        self.last_load: LayeredLoad | None = None  # the last finished one, with its staging
+        self.num_layered_loads = 0  # forwards that wrote their loads layer by layer
+        self.num_early_loads = 0  # loads finished before their forward (an offload, a graph replay)
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -111,20 +126,33 @@ class ModelRunner:
         Raises ValueError for an empty chunk, a block table too short for its tokens, a block id
         outside the cache or a sequence longer than the model's `max_model_len`.
         """
-        step = self.batch.prepare(chunks)
-        if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step)
-        output = self.model(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            use_cache=False,
-            logits_to_keep=step.logit_rows,
-            paged_batch=self.paged_batch(step),
-        )
-        return output.logits[0].float()
+        load = self.pending_load
+        try:
+            step = self.batch.prepare(chunks)
+            if self.graphs is not None and self.graphs.fits(step):
+                if load is not None:  # a replay reads every layer, without calling back here
+                    self._finish_early()
+                    load = None
+                return self.graphs.run(step)
+            if load is not None:
+                load.start()
+                self.num_layered_loads += 1
+            output = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logit_rows,
+                paged_batch=self.paged_batch(step, load),
+            )
+            return output.logits[0].float()
+        finally:
+            if load is not None:
+                load.finish()
+                self.pending_load, self.last_load = None, load
 
-    def paged_batch(self, step: HostBatch) -> PagedBatch:
-        """What every layer's attention reads for `step`, its launches planned once here."""
+    def paged_batch(self, step: HostBatch, load: LayeredLoad | None = None) -> PagedBatch:
+        """What every layer's attention reads for `step`, its launches planned once here; `load`
+        is waited for layer by layer."""
         launches = plan_paged_attention(
             step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
@@ -138,6 +166,7 @@ class ModelRunner:
             seq_lens=step.seq_lens,
             query_start_loc=step.query_start_loc,
             launches=launches,
+            load=load,
         )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -154,6 +183,9 @@ class ModelRunner:
             return
         blocks = src + dst
         self._check_block_ids(blocks)
+        if self.pending_load is not None and self.pending_load.conflicts(src, dst):
+            self.pending_load.add_copy(src, dst)  # it reads or overwrites the step's loaded blocks
+            return
         num_layers = self.kv_cache.shape[1]
         offsets = torch.arange(num_layers, dtype=torch.int64, device="cpu").view(1, -1, 1) * self.num_blocks
         # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
@@ -163,14 +195,28 @@ class ModelRunner:
         kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])
 
     def offload(self, src: list[int], dst: list[int]) -> None:
-        """Copy device blocks `src[i]` to host blocks `dst[i]` (the host tier), every layer."""
+        """Copy device blocks `src[i]` to host blocks `dst[i]` (the host tier), every layer, now;
+        pending loads into any of `src` are finished first."""
         self._check_block_ids(src)
+        if self.pending_load is not None and self.pending_load.writes_any(src):
+            self._finish_early()
         self.host.offload(self.kv_cache, src, dst)
 
     def load(self, src: list[int], dst: list[int]) -> None:
-        """Copy host blocks `src[i]` back to device blocks `dst[i]`, every layer."""
+        """Copy host blocks `src[i]` back to device blocks `dst[i]`, every layer: the host blocks
+        are read now, the device blocks written during the next forward (see the class)."""
         self._check_block_ids(dst)
-        self.host.load(self.kv_cache, src, dst)
+        if not src:
+            return
+        if self.pending_load is None:
+            self.pending_load = LayeredLoad(self.kv_cache, self.load_stream)
+        self.pending_load.add_load(self.host.stage(src), dst)
+
+    @torch.inference_mode()
+    def _finish_early(self) -> None:
+        self.pending_load.finish()
+        self.pending_load, self.last_load = None, self.pending_load
+        self.num_early_loads += 1
 
     def _check_block_ids(self, blocks: list[int]) -> None:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
