@@ -261,11 +261,12 @@ class Scheduler:
 
     def _append(self, request: Request, seq: Sequence, token: int, now: float) -> None:
         seq.tokens.append(token)
-        if seq.detok is not None:
-            seq.detok.push(seq.tokens)
-        self._stamp(request, now)
         params = request.params
-        stop_string = seq.detok is not None and seq.detok.stopped
+        stop_string = False
+        if params.stop:  # only a stop string needs the text now; readers detokenize the rest
+            seq.detok.push(seq.tokens)
+            stop_string = seq.detok.stopped
+        self._stamp(request, now)
         if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
