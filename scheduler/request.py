@@ -100,6 +100,10 @@ class Request:
     waited_steps: int = 0
     session_id: str | None = None  # the chat session it is a turn of; tags what it caches
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
+    is_beam_search: bool = field(init=False)  # its params are BeamSearchParams (read once a step)
+
+    def __post_init__(self) -> None:
+        self.is_beam_search = isinstance(self.params, BeamSearchParams)
 
     @property
     def width(self) -> int:
@@ -116,10 +120,6 @@ class Request:
         """Moves `seq` (already out of `seqs`, its table released) to the finished ones."""
         seq.finish_reason = reason
         self.finished_seqs.append(seq)
-
-    @property
-    def is_beam_search(self) -> bool:
-        return isinstance(self.params, BeamSearchParams)
 
     @property
     def prompt_done(self) -> bool:

@@ -86,7 +86,8 @@ class PersistentBatch:
         sizes += (num_seqs * width,)
         host = torch.empty(sum(sizes), dtype=torch.int32, device="cpu", pin_memory=self._pin)
         flat = host.numpy()
-        part = np.split(flat, np.cumsum(sizes[:-1]))
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        part = [flat[a:b] for a, b in itertools.pairwise(offsets)]  # views; np.split took 11 us
         if num_tokens == num_seqs:
             part[0][:] = [c.token_ids[0] for c in chunks]
         else:

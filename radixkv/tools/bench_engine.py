@@ -16,7 +16,8 @@ Cases (tiny-llama's shapes, bfloat16 KV, block size 16, random prompt tokens, gr
   (`max_num_seqs` 64) while that many prompts wait; prompts share 1,024-token prefixes in 8 groups.
   Admission can take nothing, so a step should cost the same whatever the queue's length.
 Each case is set up with untimed steps, warmed up, then timed in `ROUNDS` rounds of `--steps` steps;
-the report gives the fastest round's mean milliseconds per step and per part. torch runs on one
+the report gives the fastest round's mean milliseconds per step and per part. A case's pool has
+room for every step it runs, so it stays what it says: no sequence is preempted. torch runs on one
 intra-op thread while it measures: the host's step is one thread's work, and on a shared 2-core
 machine a second torch thread made small CPU ops (a 256 x 259 argmax) up to 30 times slower.
 """
@@ -144,8 +145,13 @@ def _config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> 
     )
 
 
-def _decode_256(rng: random.Random) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * 130 + 64), 256)
+def _blocks_per_seq(context: int, steps: int) -> int:
+    """Blocks one sequence holds after `steps` decode steps from `context` tokens, one spare."""
+    return -(-(context + steps) // BLOCK_SIZE) + 1
+
+
+def _decode_256(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64), 256)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 256, 2047):
         engine.add_request(prompt, params)
@@ -153,8 +159,8 @@ def _decode_256(rng: random.Random) -> tuple[Engine, StubModel]:
     return engine, stub
 
 
-def _mixed_prefill(rng: random.Random) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(140, 2048, 128 * 70 + 10 * 520), 2048)
+def _mixed_prefill(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(140, 2048, 128 * _blocks_per_seq(1100, steps) + 10 * 520), 2048)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 128, 1000):
         engine.add_request(prompt, params)
@@ -165,9 +171,9 @@ def _mixed_prefill(rng: random.Random) -> tuple[Engine, StubModel]:
     return engine, stub
 
 
-def _waiting(num_waiting: int) -> Callable[[random.Random], tuple[Engine, StubModel]]:
-    def setup(rng: random.Random) -> tuple[Engine, StubModel]:
-        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * 130 + 64), 64)
+def _waiting(num_waiting: int) -> Callable[[random.Random, int], tuple[Engine, StubModel]]:
+    def setup(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * _blocks_per_seq(2048, steps) + 64), 64)
         params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
         shared = _prompts(rng, 8, 1024)
         for prompt in _prompts(rng, 64, 2047, shared):
@@ -180,7 +186,8 @@ def _waiting(num_waiting: int) -> Callable[[random.Random], tuple[Engine, StubMo
     return setup
 
 
-CASES: dict[str, Callable[[random.Random], tuple[Engine, StubModel]]] = {
+CASES: dict[str, Callable[[random.Random, int], tuple[Engine, StubModel]]] = {
+    # name -> setup(rng, steps): the engine and its stub, with room for `steps` more steps
     "decode_256": _decode_256,
     "mixed_prefill": _mixed_prefill,
     "waiting_64": _waiting(64),
@@ -192,7 +199,7 @@ CASES: dict[str, Callable[[random.Random], tuple[Engine, StubModel]]] = {
 def run_case(name: str, steps: int) -> CaseResult:
     """Set up case `name`, warm up, then time `ROUNDS` rounds of `steps` steps and keep the fastest
     round; every step must run a batch."""
-    engine, stub = CASES[name](random.Random(0))
+    engine, stub = CASES[name](random.Random(0), WARMUP_STEPS + ROUNDS * steps)
     timer = _Timer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.kv, "run_transfers", "block_transfers")
