@@ -264,13 +264,18 @@ class Scheduler:
             for request, seq, token, record in zip(requests, seqs, tokens.tolist(), records, strict=True):
                 if record is not None:
                     seq.token_logprobs.append(record)
-                append(request, seq, token, now)
+                append(request, seq, token)
                 touched[request.request_id] = request
         for request in beam_rows.values():
             if all(seq.logprobs is not None for seq in request.seqs):
-                self._beam_step(request, now)
+                self._beam_step(request)
                 touched[request.request_id] = request
-        for request in touched.values():
+        for request in touched.values():  # each made tokens this step: one stamp per request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            else:
+                request.inter_token_s.append(now - request.last_token_time)
+            request.last_token_time = now
             if not request.seqs:
                 self.running.remove(request)
                 request.status = Status.FINISHED
@@ -285,7 +290,7 @@ class Scheduler:
             generator = make_generator(seq.generator.initial_seed() + k, seq.generator.device)
         return seq.fork(self.kv.fork(seq.table), k, generator)
 
-    def _append(self, request: Request, seq: Sequence, token: int, now: float) -> None:
+    def _append(self, request: Request, seq: Sequence, token: int) -> None:
         tokens = seq.tokens
         tokens.append(token)
         params = request.params
@@ -293,7 +298,6 @@ class Scheduler:
         if params.stop:  # only a stop string needs the text now; readers detokenize the rest
             seq.detok.push(tokens)
             stop_string = seq.detok.stopped
-        self._stamp(request, now)
         if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
             seq.finish_reason = "stop"
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
@@ -304,13 +308,12 @@ class Scheduler:
             request.seqs.remove(seq)
             request.finish_seq(seq, seq.finish_reason)
 
-    def _beam_step(self, request: Request, now: float) -> None:
+    def _beam_step(self, request: Request) -> None:
         search = self.beams[request.request_id]
         rows = torch.stack([seq.logprobs for seq in request.seqs])
         for seq in request.seqs:
             seq.logprobs = None
         continuations = search.step(rows, [seq.output_ids for seq in request.seqs])
-        self._stamp(request, now)
         parents = request.seqs
         chosen = Counter(0 if len(parents) == 1 else c.parent for c in continuations)
         for i, seq in enumerate(parents):
@@ -341,10 +344,3 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
-
-    def _stamp(self, request: Request, now: float) -> None:
-        if request.first_token_time is None:
-            request.first_token_time = now
-        elif request.last_token_time != now:
-            request.inter_token_s.append(now - request.last_token_time)
-        request.last_token_time = now
