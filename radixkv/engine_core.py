@@ -46,7 +46,7 @@ from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, p
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
-from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
+from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.sampler import make_generator
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
@@ -246,7 +246,7 @@ class EngineCore:
                 if batch:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
-                    logits = self.runner.forward(self._chunks(batch))
+                    logits = self.runner.forward(batch)  # a ScheduledSeq is the runner's SequenceChunk
                     touched = self.scheduler.postprocess(batch, logits)
             except Exception as exc:  # contained: the batch's requests get it
                 ended += self._fail(self._step_requests(batch), exc)
@@ -511,18 +511,6 @@ class EngineCore:
                 f"{params.max_tokens}, {width} sequences) but the pool has {self.pool.num_blocks}; "
                 "raise kv_cache_memory or shorten the request"
             )
-
-    @staticmethod
-    def _chunks(batch: list[ScheduledSeq]) -> list[SequenceChunk]:
-        """The runner's view of the batch. One plain loop with no call per item: a method per
-        item took 156 us for 256 decodes, this 86 us."""
-        chunks = []
-        for item in batch:
-            seq, start = item.seq, item.start
-            tokens = seq.tokens[start : start + item.num_tokens]
-            logits = "last" if item.needs_logits else "none"
-            chunks.append(SequenceChunk(tokens, start, seq.table.blocks, logits))
-        return chunks
 
     def _observe(self, touched: list[Request]) -> None:
         for request in touched:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 PARTS = ("schedule", "block_transfers", "prepare_inputs", "forward_stub", "postprocess", "other")
 """Where a step's host time goes: `prepare_inputs` is `ModelRunner.forward` less the stub's call;
-`other` is what `Engine.step` does outside the timed calls (building chunks, metrics, hooks)."""
+`other` is what `Engine.step` does outside the timed calls (queues, metrics, hooks)."""
 WARMUP_STEPS = 3
 ROUNDS = 3
 """Rounds of timed steps per case; the report keeps the fastest, the one other processes on a
