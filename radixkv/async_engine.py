@@ -4,8 +4,10 @@ Threading model. The loop thread sleeps on an event while there is no work (no C
 idle) and wakes when a request or an abort is queued. It steps while there is work; requests
 submitted meanwhile join the next step, and a submitter never waits for the step in flight
 (validation runs in the caller, the core's inbox is lock-free for it). Each request has a
-handle: the loop thread turns a step's progress into stream deltas or the final result and hands
-them to the request's asyncio loop with `call_soon_threadsafe`; nothing else crosses threads.
+handle: the loop thread hands a step's progress (how many tokens a stream has, or the finished
+request) to the request's asyncio loop with `call_soon_threadsafe`; nothing else crosses threads.
+The caller's coroutine makes the deltas and the result from it, detokenizing there, so the text
+costs the step lock nothing.
 
 Every exit path of a caller ends its request: a cancelled `generate`/`beam_search` task and a
 `stream` that is closed early, garbage-collected or broken out of abort it (`abort` only queues;
@@ -40,8 +42,17 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None  # the streamed sequence (stream only)
-    sent: int = 0  # tokens already posted (stream only)
+    published: int = 0  # generated tokens the loop thread has announced (stream only)
     done: bool = False  # the final item was posted
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Posted to a stream: its first `end` generated tokens are made (the last, if `finished`).
+    The caller's coroutine turns them into deltas, detokenizing there, off the step lock."""
+
+    end: int
+    finished: bool
 
 
 class _End:
@@ -157,10 +168,11 @@ class AsyncEngine:
             self._close(handle)
         if isinstance(item, BaseException):
             raise item
-        return item
+        return self.core.result_of(item)  # the texts are made here, in the caller's thread
 
     async def _stream(self, request: Request) -> AsyncIterator[StreamDelta]:
         handle = self._open(request, stream=True)
+        sent = 0
         try:
             while True:
                 item = await handle.queue.get()
@@ -168,7 +180,9 @@ class AsyncEngine:
                     raise item
                 if item is _End:
                     return
-                for delta in item:
+                deltas = self.core.stream_deltas(request, handle.seq, sent, item.end, item.finished)
+                sent = item.end
+                for delta in deltas:
                     yield delta
         finally:
             self._close(handle)
@@ -196,19 +210,20 @@ class AsyncEngine:
                 self._post(handle, RequestError(handle.request.request_id, exc))
 
     def _dispatch(self, requests: list[Request]) -> None:
-        """In the loop thread, under the step lock: posts each request's news to its caller."""
+        """In the loop thread, under the step lock: posts each request's news to its caller,
+        as token counts and finished requests; the caller's coroutine makes the text."""
         for request in requests:
             handle = self._handles.get(request.request_id)
             finished = request.status is Status.FINISHED
             if handle is not None and handle.seq is not None and request.error is None:
-                deltas = self.core.stream_deltas(request, handle.seq, handle.sent, finished)
-                handle.sent += len(deltas)
-                if deltas:
-                    self._post(handle, deltas)
+                end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
+                if end > handle.published:
+                    handle.published = end
+                    self._post(handle, _Progress(end, finished))
             if not finished:
                 continue
             try:
-                result: Any = self.core.result(request.request_id)
+                result: Any = self.core.take(request.request_id)
             except RequestError as exc:
                 result = exc
             if handle is not None:

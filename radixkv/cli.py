@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", action="store_true", help="print only a JSON object")
     engine.add_argument("--steps", type=_positive_int, default=10, help="timed steps per round (3 rounds)")
     engine.add_argument(
+        "--clock", choices=("cpu", "wall"), default="cpu",
+        help="the stepping thread's CPU time (default; a shared machine's other processes do not count) "
+        "or wall time",
+    )
+    engine.add_argument(
         "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
     )
     engine.set_defaults(func=_bench_engine)

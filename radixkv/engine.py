@@ -67,11 +67,12 @@ class Engine(EngineCore):
         try:
             while True:
                 self.run_until(lambda n=sent: request.status is Status.FINISHED or len(seq.tokens) > base + n)
-                with self._lock:
+                with self._lock:  # what the steps published; the text is made outside the lock
                     if request.error is not None:
                         raise request.error
                     finished = request.status is Status.FINISHED
-                    deltas = self.stream_deltas(request, seq, sent, finished)
+                    end = len(seq.tokens) - base
+                deltas = self.stream_deltas(request, seq, sent, end, finished)
                 sent += len(deltas)
                 yield from deltas
                 if finished:

@@ -46,7 +46,7 @@ from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, p
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
-from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
+from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.sampler import make_generator
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
@@ -246,7 +246,7 @@ class EngineCore:
                 if batch:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
-                    logits = self.runner.forward([self._chunk(item) for item in batch])
+                    logits = self.runner.forward(batch)  # a ScheduledSeq is the runner's SequenceChunk
                     touched = self.scheduler.postprocess(batch, logits)
             except Exception as exc:  # contained: the batch's requests get it
                 ended += self._fail(self._step_requests(batch), exc)
@@ -291,35 +291,29 @@ class EngineCore:
     def output(self, request_id: str) -> RequestOutput:
         """The output of a finished sampling request (and forgets the request). Raises the
         request's RequestError if a step failed it."""
-        request = self._take(request_id)
-        seqs = sorted(request.finished_seqs, key=lambda s: s.index)
-        samples = [
-            Sample(s.output_ids, s.detok.text if s.detok else "", s.finish_reason, s.token_logprobs)
-            for s in seqs
-        ]
-        first = request.first_token_time or request.finish_time
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_ids,
-            samples=samples,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            ttft_s=first - request.arrival_time,
-            e2e_s=request.finish_time - request.arrival_time,
-        )
+        return self._sample_output(self.take(request_id))
 
     def beam_output(self, request_id: str) -> list[Beam]:
         """The beams of a finished beam-search request, best first (and forgets the request).
         An aborted search returns no beams."""
-        request = self._take(request_id)
-        return [
-            Beam(s.output_ids, self.decode(s.output_ids), s.score, s.finish_reason)
-            for s in request.finished_seqs
-        ]
+        return self._beam_output(self.take(request_id))
 
     def result(self, request_id: str) -> RequestOutput | list[Beam]:
         """`output` or `beam_output`, as the request is."""
-        request = self._requests[request_id]
-        return self.beam_output(request_id) if request.is_beam_search else self.output(request_id)
+        return self.result_of(self.take(request_id))
+
+    def take(self, request_id: str) -> Request:
+        """Forgets a finished request and returns it, for `result_of`; raises its RequestError if
+        a step failed it."""
+        request = self._requests.pop(request_id)
+        if request.error is not None:
+            raise request.error
+        return request
+
+    def result_of(self, request: Request) -> RequestOutput | list[Beam]:
+        """The output or beams of a finished request already taken (`take`). Needs no step lock:
+        no step touches a finished request, so the texts can be made in the reader's thread."""
+        return self._beam_output(request) if request.is_beam_search else self._sample_output(request)
 
     def forget(self, request_id: str) -> None:
         """Drops a request's record, aborting it first if it is still going."""
@@ -328,17 +322,23 @@ class EngineCore:
             self.abort(request_id)
         self._requests.pop(request_id, None)
 
-    def stream_deltas(self, request: Request, seq: Sequence, start: int, finished: bool) -> list[StreamDelta]:
-        """`StreamDelta`s of `seq`'s generated tokens from `start` on; the first of all carries the
-        request's cached prompt tokens, the last the finish reason when `finished`. Call under the
-        step lock, or from the stepping thread."""
-        out = seq.output_ids
-        pieces = seq.detok.pieces if seq.detok is not None else None
+    def stream_deltas(
+        self, request: Request, seq: Sequence, start: int, end: int, finished: bool
+    ) -> list[StreamDelta]:
+        """`StreamDelta`s of `seq`'s generated tokens `start` to `end` (exclusive), their text
+        detokenized here if the step did not (`Sequence.text_pieces`); the first of all carries
+        the request's cached prompt tokens, the last the finish reason when `finished` (then
+        `end` is the number of generated tokens). Needs no step lock when `end` and `finished`
+        were read under it: a step never rewrites what it has published."""
+        out = seq.tokens
+        base = seq.num_prompt_tokens
+        pieces = seq.text_pieces(base + end) if seq.detok is not None else None
+        records = seq.token_logprobs
         deltas = []
-        for i in range(start, len(out)):
-            record = [seq.token_logprobs[i]] if seq.token_logprobs is not None else None
-            reason = seq.finish_reason if finished and i == len(out) - 1 else None
-            deltas.append(StreamDelta(out[i], pieces[i] if pieces is not None else "", reason, record))
+        for i in range(start, end):
+            record = [records[i]] if records is not None else None
+            reason = seq.finish_reason if finished and i == end - 1 else None
+            deltas.append(StreamDelta(out[base + i], pieces[i] if pieces is not None else "", reason, record))
         if start == 0 and deltas:  # the prefix match is known from admission on
             deltas[0].num_cached_tokens = request.num_cached_tokens or 0
         return deltas
@@ -440,11 +440,27 @@ class EngineCore:
         if self.on_update is not None and requests:
             self.on_update(requests)
 
-    def _take(self, request_id: str) -> Request:
-        request = self._requests.pop(request_id)
-        if request.error is not None:
-            raise request.error
-        return request
+    def _sample_output(self, request: Request) -> RequestOutput:
+        seqs = sorted(request.finished_seqs, key=lambda s: s.index)
+        samples = [
+            Sample(s.output_ids, "".join(s.text_pieces()), s.finish_reason, s.token_logprobs)
+            for s in seqs
+        ]
+        first = request.first_token_time or request.finish_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_ids,
+            samples=samples,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            ttft_s=first - request.arrival_time,
+            e2e_s=request.finish_time - request.arrival_time,
+        )
+
+    def _beam_output(self, request: Request) -> list[Beam]:
+        return [
+            Beam(s.output_ids, self.decode(s.output_ids), s.score, s.finish_reason)
+            for s in request.finished_seqs
+        ]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -495,15 +511,6 @@ class EngineCore:
                 f"{params.max_tokens}, {width} sequences) but the pool has {self.pool.num_blocks}; "
                 "raise kv_cache_memory or shorten the request"
             )
-
-    def _chunk(self, item: ScheduledSeq) -> SequenceChunk:
-        seq = item.seq
-        return SequenceChunk(
-            token_ids=seq.tokens[item.start : item.start + item.num_tokens],
-            start_pos=item.start,
-            block_table=seq.table.blocks,
-            logits="last" if item.needs_logits else "none",
-        )
 
     def _observe(self, touched: list[Request]) -> None:
         for request in touched:

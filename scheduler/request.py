@@ -39,7 +39,7 @@ class Sequence:
     logprobs: torch.Tensor | None = None  # a beam's next-token row, held until its group steps
     score: float | None = None  # a finished beam's score
     index: int = 0  # which of a request's n samples
-    detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (sampling)
+    detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (`text_pieces`)
     token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
 
     def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
@@ -53,6 +53,26 @@ class Sequence:
             detok=self.detok.fork() if self.detok is not None else None,
             token_logprobs=[] if self.token_logprobs is not None else None,
         )
+
+    def text_pieces(self, end: int | None = None) -> list[str]:
+        """One piece of text per generated token of `tokens[:end]` (all by default; [] without a
+        tokenizer), detokenizing now what the step left (only sequences with stop strings are
+        detokenized in the step; see `radixkv.detokenizer`). Once the sequence has finished other
+        than by abort, the last piece also carries the text held back; an aborted text ends at
+        what its tokens released.
+
+        Threads: call it for a finished sequence, under the step lock, or from the one reader of
+        a running sequence with an `end` that a step has published (a step appends a token, and
+        pushes it when it has stop strings, before it publishes the new length)."""
+        detok = self.detok
+        if detok is None:
+            return []
+        tokens = self.tokens
+        end = len(tokens) if end is None else end
+        detok.catch_up(tokens, end)
+        if self.finish_reason not in (None, "abort") and end == len(tokens):
+            detok.finish(tokens)
+        return detok.pieces[: end - self.num_prompt_tokens]
 
     @property
     def output_ids(self) -> list[int]:
@@ -80,6 +100,10 @@ class Request:
     waited_steps: int = 0
     session_id: str | None = None  # the chat session it is a turn of; tags what it caches
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
+    is_beam_search: bool = field(init=False)  # its params are BeamSearchParams (read once a step)
+
+    def __post_init__(self) -> None:
+        self.is_beam_search = isinstance(self.params, BeamSearchParams)
 
     @property
     def width(self) -> int:
@@ -95,13 +119,7 @@ class Request:
     def finish_seq(self, seq: Sequence, reason: str) -> None:
         """Moves `seq` (already out of `seqs`, its table released) to the finished ones."""
         seq.finish_reason = reason
-        if seq.detok is not None and reason != "abort":  # an aborted text ends at what was released
-            seq.detok.finish(seq.tokens)
         self.finished_seqs.append(seq)
-
-    @property
-    def is_beam_search(self) -> bool:
-        return isinstance(self.params, BeamSearchParams)
 
     @property
     def prompt_done(self) -> bool:

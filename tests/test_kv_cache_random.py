@@ -285,3 +285,40 @@ def test_hash_collisions_never_return_another_prefixs_kv(monkeypatch, block_size
         h.kv.release(h.live.pop()[0])
     h.check()
     assert h.pool.num_free + h.cache.evictable_size == h.pool.num_blocks, "blocks leaked"
+
+
+class AppendSlotHarness(Harness):
+    """Takes one-token growth through `append_slot` (the decode step's O(1) path) where it
+    applies, else through `reserve` as the engine does; the naive reference checks the data."""
+
+    fast = 0
+
+    def append(self, i: int, n: int) -> None:
+        table, tokens = self.live[i]
+        start = table.num_tokens
+        if n != 1 or self.rng.random() < 0.2:
+            return super().append(i, n)
+        free, shared = self.pool.num_free, start % self.B and self.pool.refcount(table.blocks[-1]) > 1
+        if not self.kv.append_slot(table):
+            assert table.num_tokens == start, "a refused append_slot changed the table"
+            assert shared or (start % self.B == 0 and free == 0), "append_slot refused a slot it could take"
+            return super().append(i, n)
+        assert not shared, "append_slot wrote into a shared block"
+        taken = free - self.pool.num_free
+        assert taken == (start % self.B == 0), f"append_slot took {taken} blocks"
+        while len(tokens) <= start:
+            tokens.append(self.rng.randrange(3))
+        self.slots[table.blocks[start // self.B], start % self.B] = tokens[start]
+        self.fast += 1
+
+
+@pytest.mark.parametrize(("block_size", "seed"), [(1, 20), (4, 21), (16, 22)])
+def test_append_slot_takes_only_a_slot_reserve_would_take(block_size, seed):
+    h = AppendSlotHarness(block_size, num_blocks=max(48, 600 // block_size), seed=seed)
+    for _ in range(3000):
+        if h.live and h.rng.random() < 0.5:  # many one-token appends, as decode steps make
+            h.append(h.rng.randrange(len(h.live)), 1)
+        else:
+            h.step()
+        h.check()
+    assert h.fast > 300, "append_slot was hardly exercised"

@@ -166,6 +166,22 @@ class KVCacheManager:
             table.blocks.extend(self.pool.allocate(self.blocks_for(start + n) - len(table.blocks)))
             table.num_tokens = start + n
 
+    def append_slot(self, table: BlockTable) -> bool:
+        """`reserve([(table, 1)])` in O(1), for the usual decode, where it needs no copy and no
+        eviction: takes the slot after the table's last token, in its last block when nothing
+        else references that block, else in a free block appended to the table, and returns
+        True. Otherwise changes nothing and returns False (then `reserve` decides)."""
+        start = table.num_tokens
+        if start % self.block_size:
+            if self.pool.refcount(table.blocks[start // self.block_size]) != 1:
+                return False
+        elif self.pool.num_free:
+            table.blocks += self.pool.allocate(1)
+        else:
+            return False
+        table.num_tokens = start + 1
+        return True
+
     def blocks_needed(self, plan: list[tuple[BlockTable, int]]) -> int:
         """Fresh blocks `reserve(plan)` takes: new ones, and copies of shared blocks written."""
         need = 0

@@ -153,7 +153,10 @@ class ParallelRunner:
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """`ModelRunner.forward` over all ranks: float32 logits `[rows, vocab]` from rank 0."""
         local = self._runner()
-        self._send(pickle.dumps(Step(self._transfers, chunks)))
+        # Plain chunks for the other ranks: a subclass (the scheduler's ScheduledSeq) carries its
+        # request, which stays here.
+        plain = [SequenceChunk(c.token_ids, c.start_pos, c.block_table, c.logits) for c in chunks]
+        self._send(pickle.dumps(Step(self._transfers, plain)))
         self._transfers = []
         try:
             try:

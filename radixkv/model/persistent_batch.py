@@ -91,10 +91,10 @@ class PersistentBatch:
         # Every part starts on a 16-byte boundary. Triton specializes a kernel on whether each
         # pointer argument is 16-byte aligned, so parts at offsets that vary with the batch would
         # compile a variant per combination, each stalling its step for about a second on a GPU.
-        starts = np.cumsum([0, *(-(-n // _ALIGN) * _ALIGN for n in sizes)])
-        host = torch.empty(int(starts[-1]), dtype=torch.int32, device="cpu", pin_memory=self._pin)
+        starts = list(itertools.accumulate((-(-n // _ALIGN) * _ALIGN for n in sizes), initial=0))
+        host = torch.empty(starts[-1], dtype=torch.int32, device="cpu", pin_memory=self._pin)
         flat = host.numpy()
-        part = [flat[a : a + n] for a, n in zip(starts[:-1], sizes, strict=True)]
+        part = [flat[a : a + n] for a, n in zip(starts[:-1], sizes, strict=True)]  # views (np.split: 11 us)
         if num_tokens == num_seqs:
             part[0][:] = [c.token_ids[0] for c in chunks]
         else:

@@ -16,7 +16,15 @@ Cases (tiny-llama's shapes, bfloat16 KV, block size 16, random prompt tokens, gr
   (`max_num_seqs` 64) while that many prompts wait; prompts share 1,024-token prefixes in 8 groups.
   Admission can take nothing, so a step should cost the same whatever the queue's length.
 Each case is set up with untimed steps, warmed up, then timed in `ROUNDS` rounds of `--steps` steps;
-the report gives the fastest round's mean milliseconds per step and per part. torch runs on one
+the report gives the fastest round's mean milliseconds per step and per part.
+
+The clock (`--clock`) is by default the stepping thread's CPU time (`time.thread_time`): the stub
+makes a step pure host work that never waits, so on a dedicated machine CPU and wall time agree,
+while on a shared one wall time also counts the slices the OS gives other processes. On this 2-core
+machine shared by four processes, a round of 20 decode_256 steps (20 ms) was never free of them:
+descheduled slices of 4-5 ms in random parts raised the wall figure by up to half. `--clock wall`
+measures wall time. A case's pool has
+room for every step it runs, so it stays what it says: no sequence is preempted. torch runs on one
 intra-op thread while it measures: the host's step is one thread's work, and on a shared 2-core
 machine a second torch thread made small CPU ops (a 256 x 259 argmax) up to 30 times slower.
 """
@@ -44,7 +52,7 @@ if TYPE_CHECKING:
 
 PARTS = ("schedule", "block_transfers", "prepare_inputs", "forward_stub", "postprocess", "other")
 """Where a step's host time goes: `prepare_inputs` is `ModelRunner.forward` less the stub's call;
-`other` is what `Engine.step` does outside the timed calls (building chunks, metrics, hooks)."""
+`other` is what `Engine.step` does outside the timed calls (queues, metrics, hooks)."""
 WARMUP_STEPS = 3
 ROUNDS = 3
 """Rounds of timed steps per case; the report keeps the fastest, the one other processes on a
@@ -62,11 +70,15 @@ class CaseResult:
     parts: dict[str, float] = field(default_factory=dict)
 
 
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
 class StubModel(torch.nn.Module):
     """Stands in for the transformers model: one row of logits per entry of `logits_to_keep`.
 
     The logits are a fixed random tensor sliced to the step's rows (so greedy picks the same token
-    for every row, which no case depends on); the time spent inside is recorded for the report.
+    for every row, which no case depends on); the time spent inside is recorded for the report,
+    by `clock`.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
@@ -74,11 +86,12 @@ class StubModel(torch.nn.Module):
         generator = torch.Generator().manual_seed(0)
         self.logits = torch.randn((1, max_rows, vocab_size), generator=generator).to(device)
         self.seconds = 0.0
+        self.clock: Callable[[], float] = time.perf_counter
 
     def forward(self, *, logits_to_keep: torch.Tensor, **_: Any) -> Any:
-        start = time.perf_counter()
+        start = self.clock()
         out = _Output(self.logits[:, : logits_to_keep.shape[0]])
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.clock() - start
         return out
 
 
@@ -88,20 +101,22 @@ class _Output:
 
 
 class _Timer:
-    """Accumulated seconds of calls to methods wrapped on an instance (`wrap`)."""
+    """Accumulated seconds, by `clock`, of calls to methods wrapped on an instance (`wrap`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = dict.fromkeys(PARTS, 0.0)
 
     def wrap(self, owner: object, method: str, part: str) -> None:
         inner: Callable[..., Any] = getattr(owner, method)
+        clock = self.clock
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - start
+                self.seconds[part] += clock() - start
 
         setattr(owner, method, timed)
 
@@ -144,8 +159,13 @@ def _config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> 
     )
 
 
-def _decode_256(rng: random.Random) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * 130 + 64), 256)
+def _blocks_per_seq(context: int, steps: int) -> int:
+    """Blocks one sequence holds after `steps` decode steps from `context` tokens, one spare."""
+    return -(-(context + steps) // BLOCK_SIZE) + 1
+
+
+def _decode_256(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64), 256)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 256, 2047):
         engine.add_request(prompt, params)
@@ -153,8 +173,8 @@ def _decode_256(rng: random.Random) -> tuple[Engine, StubModel]:
     return engine, stub
 
 
-def _mixed_prefill(rng: random.Random) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(140, 2048, 128 * 70 + 10 * 520), 2048)
+def _mixed_prefill(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+    engine, stub = stub_engine(_config(140, 2048, 128 * _blocks_per_seq(1100, steps) + 10 * 520), 2048)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 128, 1000):
         engine.add_request(prompt, params)
@@ -165,9 +185,9 @@ def _mixed_prefill(rng: random.Random) -> tuple[Engine, StubModel]:
     return engine, stub
 
 
-def _waiting(num_waiting: int) -> Callable[[random.Random], tuple[Engine, StubModel]]:
-    def setup(rng: random.Random) -> tuple[Engine, StubModel]:
-        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * 130 + 64), 64)
+def _waiting(num_waiting: int) -> Callable[[random.Random, int], tuple[Engine, StubModel]]:
+    def setup(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
+        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * _blocks_per_seq(2048, steps) + 64), 64)
         params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
         shared = _prompts(rng, 8, 1024)
         for prompt in _prompts(rng, 64, 2047, shared):
@@ -180,7 +200,8 @@ def _waiting(num_waiting: int) -> Callable[[random.Random], tuple[Engine, StubMo
     return setup
 
 
-CASES: dict[str, Callable[[random.Random], tuple[Engine, StubModel]]] = {
+CASES: dict[str, Callable[[random.Random, int], tuple[Engine, StubModel]]] = {
+    # name -> setup(rng, steps): the engine and its stub, with room for `steps` more steps
     "decode_256": _decode_256,
     "mixed_prefill": _mixed_prefill,
     "waiting_64": _waiting(64),
@@ -189,11 +210,12 @@ CASES: dict[str, Callable[[random.Random], tuple[Engine, StubModel]]] = {
 }
 
 
-def run_case(name: str, steps: int) -> CaseResult:
-    """Set up case `name`, warm up, then time `ROUNDS` rounds of `steps` steps and keep the fastest
-    round; every step must run a batch."""
-    engine, stub = CASES[name](random.Random(0))
-    timer = _Timer()
+def run_case(name: str, steps: int, clock: str = "cpu") -> CaseResult:
+    """Set up case `name`, warm up, then time `ROUNDS` rounds of `steps` steps by `clock` (a key
+    of `CLOCKS`) and keep the fastest round; every step must run a batch."""
+    engine, stub = CASES[name](random.Random(0), WARMUP_STEPS + ROUNDS * steps)
+    now = stub.clock = CLOCKS[clock]
+    timer = _Timer(now)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.kv, "run_transfers", "block_transfers")
     timer.wrap(engine.runner, "forward", "prepare_inputs")
@@ -207,9 +229,9 @@ def run_case(name: str, steps: int) -> CaseResult:
         before = engine.num_steps
         total = 0.0
         for _ in range(steps):
-            start = time.perf_counter()
+            start = now()
             engine.step()
-            total += time.perf_counter() - start
+            total += now() - start
         if engine.num_steps - before != steps:
             raise RuntimeError(f"bench case {name}: {steps - engine.num_steps + before} steps ran no batch")
         parts = dict(timer.seconds)
@@ -233,18 +255,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     if args.json:
-        print(json.dumps({"cases": [asdict(r) for r in results]}, indent=2))
+        print(json.dumps({"clock": args.clock, "cases": [asdict(r) for r in results]}, indent=2))
     return 0
 
 
 def _run_cases(names: list[str], args: argparse.Namespace) -> list[CaseResult]:
     if not args.json:
         rounds = f"fastest of {ROUNDS} rounds of {args.steps} steps"
-        print(f"host ms per engine step, model forward stubbed; {rounds}")
+        clock = "the stepping thread's CPU time" if args.clock == "cpu" else "wall time"
+        print(f"host ms per engine step ({clock}), model forward stubbed; {rounds}")
         print(f"{'case':<14} {'ms/step':>8}  " + "  ".join(f"{p:>14}" for p in PARTS), flush=True)
     results = []
     for name in names:
-        result = run_case(name, args.steps)
+        result = run_case(name, args.steps, args.clock)
         results.append(result)
         if not args.json:
             total = result.host_ms_per_step
