@@ -8,7 +8,7 @@ Two machines with opposite costs:
   against 14 ns through 3-D ones) and about 1 ns per element for each elementwise pass. So the
   interpreter plan uses few programs and tiles as large as Triton allows (2**20 elements): one
   program covers many sequences and all query heads of a KV head, and gathers through 1-D pointers.
-- A GPU wants enough programs to fill its SMs and tiles that fit registers: 16 to 64 query rows
+- A GPU wants enough programs to fill its SMs and tiles that fit registers: 16 or 32 query rows
   and 32 to 64 keys per step, one item per program, and split-KV (several programs per item, each
   on a range of keys, merged by a second kernel) when a decode batch is too small to fill the SMs.
 """
@@ -107,16 +107,18 @@ def plan_attention_gpu(
 ) -> AttentionPlan:
     """GPU plan from host-known sizes only (no device sync); `max_kv_len` is the block table's capacity.
 
-    Rows per item: 16 (tl.dot's smallest M) when every sequence has one new token, else 64. A batch
+    Rows per item: 16 (tl.dot's smallest M) when every sequence has one new token, else 32. A batch
     with fewer items than SMs splits each item's keys into up to 16 ranges of 512 keys or more.
     An unsplit decode runs 2 warps a program: more programs resident per SM keep more K/V loads in
-    flight. Measured on an H200 (bf16, 32 query / 8 KV heads of 128, 64 keys a step), 64 x 4,096 and
-    256 x 1,024 tokens read at 0.86 of peak bandwidth with 2 warps against 0.53 with 4; split
-    decodes measured best with 4 (0.38 of peak at 8 x 4,096, where one wave barely fills the GPU).
+    flight. Measured on an H200 (bf16, 32 query / 8 KV heads of 128, 64 keys a step): decodes of
+    64 x 4,096 and 256 x 1,024 tokens read at 0.86 of peak bandwidth with 2 warps against 0.53 with
+    4; split decodes measured best with 4 (0.38 of peak at 8 x 4,096, where one wave barely fills
+    the GPU). A 2 x 2,048 prefill took 1.8 ms at 32 rows against 40 ms at 64 and 50 ms at 128 (the
+    accumulator no longer fits the registers), and 7.1 ms in the torch reference.
     """
     group_p = padded_group(group)
     decode = num_tokens == num_seqs
-    block_q = max(1, (16 if decode else 64) // group_p)
+    block_q = max(1, (16 if decode else 32) // group_p)
     block_n = 64 if padded_head_dim(head_dim) <= 128 else 32
     items = max_tiles(num_tokens, num_seqs, block_q) * num_kv_heads
     num_splits = 1

@@ -207,7 +207,7 @@ def test_gpu_plan_splits_small_decode_batches_only(monkeypatch: pytest.MonkeyPat
     prefill = launch_plan.plan_attention_gpu(torch.device("cuda"), 8192, 4, **sizes)
     assert decode.num_splits > 1 and decode.block_q * 4 == 16 and decode.items == 1
     assert decode.num_splits & (decode.num_splits - 1) == 0
-    assert prefill.num_splits == 1 and prefill.block_q * 4 == 64
+    assert prefill.num_splits == 1 and prefill.block_q * 4 == 32
     # A GPU copy plan is one shape per row length (one compile), whatever the number of rows.
     gpu_copy = functools.partial(launch_plan.plan_copy, row_len=256, interpreted=False)
     assert gpu_copy(1) == gpu_copy(300)
