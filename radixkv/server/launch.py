@@ -3,6 +3,9 @@
 Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and lets the requests in
 flight finish for `--graceful-timeout` seconds; then it cancels what is left, which aborts those
 requests in the engine, and the application stops the engine. The process then exits 0.
+
+Chat sessions (the `session_id` extra) end after `--session-idle-timeout` idle seconds or at
+`DELETE /v1/sessions/{id}` (`radixkv.server.sessions`).
 """
 
 from __future__ import annotations
