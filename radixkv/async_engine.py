@@ -86,26 +86,44 @@ class AsyncEngine:
     # ----------------------------------------------------------------- the API
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> RequestOutput:
-        """Runs one prompt to completion. Cancelling the awaiting task aborts the request."""
-        request = self.core.make_request(prompt, params, request_id, call="generate")
+        """Runs one prompt to completion. Cancelling the awaiting task aborts the request.
+        `session_id` makes it a turn of that chat session (`EngineCore.make_request`)."""
+        request = self.core.make_request(prompt, params, request_id, call="generate", session_id=session_id)
         return await self._result(self._open(request))
 
     async def beam_search(
-        self, prompt: Prompt, params: BeamSearchParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: BeamSearchParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> list[Beam]:
         """The `beam_width` best hypotheses, best first; cancelling the task aborts the search."""
-        request = self.core.make_request(prompt, params, request_id, call="beam_search")
+        request = self.core.make_request(
+            prompt, params, request_id, call="beam_search", session_id=session_id
+        )
         return await self._result(self._open(request))
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """An async iterator of the tokens as they are made (n == 1). Bad input raises here, at
         the call; the request is submitted when iteration starts, and ends (aborted if still
         going) when the iterator is closed, garbage-collected or left by an exception."""
-        request = self.core.make_request(prompt, params, request_id, call="stream")
+        request = self.core.make_request(prompt, params, request_id, call="stream", session_id=session_id)
         if request.params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={request.params.n}")
         return self._stream(request)
@@ -113,6 +131,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ends the request (finish_reason "abort"); its blocks are freed before the next step."""
         self.core.abort(request_id, wait=False)
+
+    def close_session(self, session_id: str) -> None:
+        """The chat session has no more turns (see `EngineCore.close_session`). Only queued,
+        as `abort` is: the loop applies it before its next step schedules anything."""
+        self.core.close_session(session_id, wait=False)
 
     def chat(self, system: str | list[int] | None = None) -> AsyncChatSession:
         return AsyncChatSession(self, system)

@@ -23,12 +23,38 @@ if TYPE_CHECKING:
     from radixkv.engine import Engine
 
 
+_SESSION_IDS = itertools.count()
+
+
 class _Session:
-    """The conversation and how a reply joins it, for both session kinds."""
+    """The conversation, how a reply joins it, and the session's life, for both session kinds.
+
+    Its turns are tagged with `session_id`, so the `session` eviction policy keeps the
+    conversation's blocks over one-off requests' until `close()` (or the end of a `with` block)."""
 
     def __init__(self, engine: Any, system: str | list[int] | None) -> None:
         self.engine = engine
         self.conversation = Conversation(engine.tokenizer, system)
+        self.session_id = f"chat-{next(_SESSION_IDS)}"
+        self.closed = False
+
+    def close(self) -> None:
+        """No more turns: the conversation's cached blocks rank as a finished request's."""
+        if not self.closed:
+            self.closed = True
+            self.engine.close_session(self.session_id)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"chat session {self.session_id} is closed")
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -42,33 +68,13 @@ class _Session:
         self.conversation.add_reply(reply, text)
 
 
-_SESSION_IDS = itertools.count()
-
-
 class ChatSession(_Session):
-    """Its turns are tagged with `session_id`, so the `session` eviction policy keeps the
-    conversation's blocks over one-off requests' until `close()` (or the end of a `with` block)."""
+    """A chat session over an `Engine`; `with engine.chat() as chat:` closes it at the end."""
 
     engine: Engine
 
     def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
         super().__init__(engine, system)
-        self.session_id = f"chat-{next(_SESSION_IDS)}"
-        self.closed = False
-
-    def close(self) -> None:
-        """No more turns: the conversation's cached blocks rank as a finished request's."""
-        if not self.closed:
-            self.closed = True
-            self.engine.close_session(self.session_id)
-
-    def __enter__(self) -> ChatSession:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
         """Sends the user's message; returns the engine's reply. With n > 1 the first sample
@@ -88,27 +94,28 @@ class ChatSession(_Session):
             yield piece
         self._record(reply, reason)
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ValueError(f"chat session {self.session_id} is closed")
-
 
 class AsyncChatSession(_Session):
     """`ChatSession` over an `AsyncEngine`: `await send(...)`, `async for piece in stream(...)`.
-    A turn that is cancelled or fails leaves the conversation unchanged."""
+    A turn that is cancelled or fails leaves the conversation unchanged. `close()` only queues
+    (`AsyncEngine.close_session`), so it never waits for a step."""
 
     engine: AsyncEngine
 
     async def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
-        out = await self.engine.generate(self.conversation.prompt(message), params)
+        self._check_open()
+        prompt = self.conversation.prompt(message)
+        out = await self.engine.generate(prompt, params, session_id=self.session_id)
         self._record(out.token_ids, out.finish_reason)
         return out
 
     async def stream(
         self, message: str | list[int], params: SamplingParams | None = None
     ) -> AsyncIterator[StreamDelta]:
+        self._check_open()
         reply, reason = [], None
-        async for piece in self.engine.stream(self.conversation.prompt(message), params):
+        prompt = self.conversation.prompt(message)
+        async for piece in self.engine.stream(prompt, params, session_id=self.session_id):
             reply.append(piece.token_id)
             reason = piece.finish_reason
             yield piece

@@ -122,6 +122,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._closed_sessions: deque[str] = deque()
         self._ids = itertools.count()
         self._lock = threading.RLock()  # the step lock
         self._submit_lock = threading.Lock()  # makes a request id's check and claim one act; never held long
@@ -214,11 +215,17 @@ class EngineCore:
         """Validates and queues a request; returns its id."""
         return self.submit([self.make_request(prompt, params, request_id, session_id=session_id)])[0]
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, *, wait: bool = True) -> None:
         """The chat session has no more turns: under the `session` policy its cached blocks lose
-        their rank over one-off requests' (a later turn with the same id revives it)."""
-        with self._lock:
-            self.kv.close_session(session_id)
+        their rank over one-off requests' (a later turn with the same id revives it, and so does
+        the admission of one of its turns still waiting). With `wait` (the default) that is done
+        when this returns; without, before the next step schedules anything, as `abort` does."""
+        self._closed_sessions.append(session_id)
+        if wait:
+            with self._lock:
+                self._notify(self._drain())
+        elif self.on_submit is not None:
+            self.on_submit()
 
     def abort(self, request_id: str, *, wait: bool = True) -> None:
         """Ends a request wherever it is (queued, prefilling, decoding, a beam group, the forks of
@@ -272,8 +279,9 @@ class EngineCore:
         self.close()
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: requests queued, waiting or running, or aborts."""
-        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+        """Whether a step would do anything: requests queued, waiting or running, aborts or
+        sessions to close."""
+        return bool(self._inbox or self._aborts or self._closed_sessions or self.scheduler.has_work())
 
     def has_unfinished_requests(self) -> bool:
         return self.has_work()
@@ -392,7 +400,8 @@ class EngineCore:
     # ---------------------------------------------------------------- internals
 
     def _drain(self) -> list[Request]:
-        """Applies queued submissions, then queued aborts; returns the requests aborted."""
+        """Applies queued submissions, then queued aborts, then sessions closed; returns the
+        requests aborted."""
         while self._inbox:
             self.scheduler.add(self._inbox.popleft())
         ended = []
@@ -409,6 +418,8 @@ class EngineCore:
                     request.finish_seq(seq, "abort")
             self._end(request)
             ended.append(request)
+        while self._closed_sessions:
+            self.kv.close_session(self._closed_sessions.popleft())
         return ended
 
     def _step_requests(self, batch: list[ScheduledSeq]) -> list[Request]:

@@ -122,3 +122,38 @@ def test_bad_workload_fails_before_anything_runs(tmp_path, capsys):
     bad.write_text('{"session": "a", "turns": [{"user_ids": [1], "max_tokens": 0}]}\n')
     assert main(["replay", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def grouped_chats(path, groups: int = 3, per_group: int = 2) -> None:
+    """chat_small in miniature: every system prompt starts with the same 8 tokens, and each group
+    adds 32 of its own; the sessions arrive alternating between groups, 3 turns each."""
+    rng = random.Random(1)
+    common = [rng.randrange(256) for _ in range(8)]
+    prefixes = [common + [rng.randrange(256) for _ in range(32)] for _ in range(groups)]
+    sessions = [
+        Session(
+            f"g{i % groups}.s{i}",
+            [Turn([rng.randrange(256) for _ in range(4)], 4, think=0.0) for _ in range(3)],
+            arrival=0.0,
+            system=prefixes[i % groups],
+        )
+        for i in range(groups * per_group)
+    ]
+    write_workload(path, sessions, {"generator": "test"})
+
+
+def test_a_host_tier_restores_the_hit_rate_that_a_squeezed_pool_loses(model_folders, tmp_path):
+    """The README's host-tier replay in miniature: served first come first served, each request
+    follows one of another group, so a pool too small for the three group prefixes (18 blocks of
+    4 tokens against 26) loses them under LRU; a host tier keeps them and loads them back."""
+    workload, report_path = tmp_path / "groups.jsonl", tmp_path / "report.json"
+    grouped_chats(workload)
+    args = replay_args(workload, model_folders, "--report", str(report_path), "--scheduling", "fcfs")
+    args[args.index("4MiB")] = "36KiB"  # 18 blocks of 4 tokens
+    args.remove("--compare")
+    assert main([*args, "--host-kv-cache-memory", "1MiB", "--compare-host-tier"]) == 0
+    report = json.loads(report_path.read_text())
+    ideal = report["ideal_hit_rate"]
+    two, one = report["runs"]["prefix_cache"], report["runs"]["no_host_tier"]
+    assert one["hit_rate"] < 0.6 * ideal
+    assert two["hit_rate"] >= 0.95 * ideal

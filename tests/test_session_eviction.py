@@ -3,11 +3,12 @@ in a squeezed pool, where LRU drops it; closing the chat gives its blocks up fir
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
-from radixkv import Engine, SamplingParams
+from radixkv import AsyncEngine, Engine, EngineConfig, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -53,3 +54,32 @@ def test_a_closed_chat_gives_its_blocks_up_before_one_off_requests(model_folders
     one_offs(engine, seed=4)
     assert engine.kv.cache.cached_prefix_len(conversation) == 0
     engine.check_invariants()
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_an_async_chat_is_tagged_and_closed_like_a_chat(model_folders, close):
+    """`AsyncEngine.chat()` turns carry the session, and its `close()` (queued, not waited for)
+    reaches the policy before the next step: the same outcome as the two tests above."""
+
+    async def main() -> tuple[int, int]:
+        config = EngineConfig(
+            model=str(model_folders["llama"]), block_size=16, kv_cache_memory=12 * 8192, eviction="session"
+        )
+        engine = AsyncEngine(config)
+        try:
+            chat = engine.chat(system=[3] * 40)
+            first = await chat.send([7] * 16, PARAMS)
+            if close:
+                chat.close()
+            rng = random.Random(2)
+            for _ in range(4):
+                await engine.generate([rng.randrange(256) for _ in range(36)], PARAMS)
+            engine.check_invariants()
+            conversation = first.prompt_token_ids + first.token_ids
+            return engine.core.kv.cache.cached_prefix_len(conversation), len(conversation)
+        finally:
+            await engine.shutdown()
+
+    kept, length = asyncio.run(main())
+    assert (kept >= length - 16) is not close
+    assert (kept == 0) is close

@@ -1,16 +1,20 @@
 """The FastAPI application: routes, authorization, error shapes and the engine's lifetime.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+`DELETE /v1/sessions/{session_id}` (closes a chat session: `radixkv.server.sessions`), `GET /health`,
 `GET /metrics`. With an API key, the `/v1` routes need `Authorization: Bearer <key>`; health and
 metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the request models
 (strict types), not by FastAPI's lenient coercion, so a malformed body or a wrong JSON type is a
 400 naming the field and never reaches the engine. Every error, routing ones included, has
-OpenAI's shape. When the application shuts down (after uvicorn's graceful period), the engine
-aborts what is still going and stops its loop thread.
+OpenAI's shape. While the application runs, a task closes the chat sessions idle past their
+timeout. When it shuts down (after uvicorn's graceful period), the engine aborts what is still
+going and stops its loop thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,24 +31,45 @@ from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
 from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
 from radixkv.server.state import ServerState
 
 log = logging.getLogger("radixkv.server")
 
 
 def build_app(
-    engine: Any, model_name: str, *, api_key: str | None = None, max_waiting: int | None = None
+    engine: Any,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    max_waiting: int | None = None,
+    session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> FastAPI:
     """The application serving `engine` (an `AsyncEngine`) as `model_name`; it shuts the engine
-    down when it stops."""
+    down when it stops. Chat sessions idle for `session_idle_timeout_s` are closed (0 or None:
+    only by `DELETE /v1/sessions/{id}`)."""
     replies = ReplyStore(engine.tokenizer) if engine.tokenizer is not None else None
-    state = ServerState(engine, model_name, api_key, max_waiting, replies, created=int(time.time()))
+    sessions = SessionTracker(engine.close_session, session_idle_timeout_s)
+    state = ServerState(engine, model_name, api_key, max_waiting, replies, sessions, created=int(time.time()))
     render_metrics = exposition(engine.metrics)
+
+    async def expire_sessions(every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            sessions.expire()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await engine.shutdown()
+        every_s = sessions.check_interval_s
+        expiry = asyncio.create_task(expire_sessions(every_s)) if every_s is not None else None
+        try:
+            yield
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await expiry
+            await engine.shutdown()
 
     app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.radixkv = state
@@ -84,6 +109,19 @@ def build_app(
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close_session(request: Request, session_id: str) -> dict:
+        """Closes the chat session now, or when its requests in flight end."""
+        state.authorize(request.headers.get("authorization"))
+        if not sessions.close(session_id):
+            raise APIError(
+                404,
+                f"no open chat session {session_id!r} (never seen, or already closed)",
+                param="session_id",
+                code="session_not_found",
+            )
+        return {"id": session_id, "object": "session", "deleted": True}
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,4 +1,5 @@
 """One HTTP request's engine work: its prompts times its samples, whole or streamed.
+Every engine request of an HTTP request carrying `session_id` is tagged with it.
 
 A completions batch is one engine request per prompt (`{id}-{j}`), all submitted together; a
 stream runs one engine request per choice, since the engine streams n == 1. Sample `i` of a
@@ -39,11 +40,14 @@ async def gather_all(awaitables: list[Awaitable[T]]) -> list[T]:
 
 
 async def run_sampling(
-    engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str
+    engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str, session_id: str | None
 ) -> Finished:
     """Each prompt's `n` samples; choice `j * n + i` is prompt j's sample i."""
     outs = await gather_all(
-        [engine.generate(p, params, request_id=f"{request_id}-{j}") for j, p in enumerate(prompts)]
+        [
+            engine.generate(p, params, request_id=f"{request_id}-{j}", session_id=session_id)
+            for j, p in enumerate(prompts)
+        ]
     )
     choices, usage = [], Usage()
     for j, out in enumerate(outs):
@@ -56,11 +60,14 @@ async def run_sampling(
 
 
 async def run_beam_search(
-    engine: Any, prompts: list[list[int]], params: BeamSearchParams, request_id: str
+    engine: Any, prompts: list[list[int]], params: BeamSearchParams, request_id: str, session_id: str | None
 ) -> Finished:
     """Each prompt's `beam_width` best beams, best first; choice `j * width + i`."""
     results = await gather_all(
-        [engine.beam_search(p, params, request_id=f"{request_id}-{j}") for j, p in enumerate(prompts)]
+        [
+            engine.beam_search(p, params, request_id=f"{request_id}-{j}", session_id=session_id)
+            for j, p in enumerate(prompts)
+        ]
     )
     choices, usage = [], Usage()
     for j, (prompt, beams) in enumerate(zip(prompts, results, strict=True)):
@@ -94,10 +101,15 @@ class ChoiceStreams:
         make_params: Callable[[int], SamplingParams],
         n: int,
         request_id: str,
+        session_id: str | None = None,
     ) -> ChoiceStreams:
-        """Choice `j * n + i` streams prompt j with `make_params(i)`. Raises ValueError on bad input."""
+        """Choice `j * n + i` streams prompt j with `make_params(i)`, every one tagged with
+        `session_id` when set. Raises ValueError on bad input."""
         streams = [
-            (j * n + i, engine.stream(p, make_params(i), request_id=f"{request_id}-{j}-{i}"))
+            (
+                j * n + i,
+                engine.stream(p, make_params(i), request_id=f"{request_id}-{j}-{i}", session_id=session_id),
+            )
             for j, p in enumerate(prompts)
             for i in range(n)
         ]

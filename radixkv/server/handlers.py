@@ -61,24 +61,25 @@ async def create(
                 lambda i: sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
                 body.n,
                 request_id,
+                body.session_id,
             )
         else:
             params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     count = len(prompts) * (body.n if body.stream else 1)
-    state.admit(count)
+    state.admit(count, body.session_id)
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat, count)
+        events = _events(state, streams, fmt, body.include_usage, chat, count, body.session_id)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
     run = run_beam_search if body.use_beam_search else run_sampling
-    work = run(engine, prompts, params, request_id)
+    work = run(engine, prompts, params, request_id, body.session_id)
     try:
         finished = await _unless_disconnected(request, _engine_errors(work, body))
     finally:
-        state.release(count)
+        state.release(count, body.session_id)
     if finished is None:
         log.info("%s: the client disconnected; its requests were aborted", request_id)
         return Response(status_code=499)
@@ -124,7 +125,13 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _events(
-    state: ServerState, streams: ChoiceStreams, fmt: Formatter, include_usage: bool, chat: bool, count: int
+    state: ServerState,
+    streams: ChoiceStreams,
+    fmt: Formatter,
+    include_usage: bool,
+    chat: bool,
+    count: int,
+    session_id: str | None,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
     chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event."""
@@ -150,7 +157,7 @@ async def _events(
         error = APIError(500, str(e), type="server_error", code="engine_step_failed")
         yield _sse(error.body())
     finally:
-        state.release(count)
+        state.release(count, session_id)
         await streams.aclose()
 
 

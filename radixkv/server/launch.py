@@ -3,6 +3,9 @@
 Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and lets the requests in
 flight finish for `--graceful-timeout` seconds; then it cancels what is left, which aborts those
 requests in the engine, and the application stops the engine. The process then exits 0.
+
+Chat sessions (the `session_id` extra) end after `--session-idle-timeout` idle seconds or at
+`DELETE /v1/sessions/{id}` (`radixkv.server.sessions`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import logging
 import signal
 
+from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
 
 
@@ -33,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds running requests get to finish on SIGTERM",
     )
+    parser.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="close a chat session (the session_id extra) after this many idle seconds; 0: only "
+        "DELETE /v1/sessions/ID closes it",
+    )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -42,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.graceful_timeout < 0:
         raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
+    if not args.session_idle_timeout >= 0:
+        raise ValueError(f"--session-idle-timeout must be >= 0, got {args.session_idle_timeout}")
     import uvicorn
 
     from radixkv import AsyncEngine
@@ -51,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(config)
     app = build_app(
-        engine, args.served_model_name or args.model, api_key=args.api_key, max_waiting=args.max_waiting
+        engine,
+        args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        session_idle_timeout_s=args.session_idle_timeout,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -1,4 +1,5 @@
-"""What the server holds beside the engine: its name, key, admission count and reply store."""
+"""What the server holds beside the engine: its name, key, admission count, reply store and
+open chat sessions."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError
+from radixkv.server.sessions import SessionTracker
 
 RETRY_AFTER_S = 1
 
@@ -17,13 +19,14 @@ class ServerState:
     """`max_waiting`: engine requests the server lets wait for a slot before it answers 503.
     Waiting is counted as the engine requests this server has in flight minus those the engine
     runs; the count rises when a request is admitted, in the event loop, so a burst cannot slip
-    past it between two engine steps."""
+    past it between two engine steps. `sessions` tracks the requests carrying a `session_id`."""
 
     engine: Any
     model_name: str
     api_key: str | None = None
     max_waiting: int | None = None
     replies: ReplyStore | None = None
+    sessions: SessionTracker | None = None
     in_flight: int = 0
     created: int = 0  # when the model was loaded, for /v1/models
 
@@ -49,8 +52,9 @@ class ServerState:
     def waiting(self) -> int:
         return max(0, self.in_flight - self.engine.metrics()["running"])
 
-    def admit(self, engine_requests: int) -> None:
-        """Counts the request in, or answers 503 with Retry-After when `max_waiting` already wait."""
+    def admit(self, engine_requests: int, session_id: str | None = None) -> None:
+        """Counts the request in (and into its session, if any), or answers 503 with Retry-After
+        when `max_waiting` already wait. Every admission is paired with one `release`."""
         if self.max_waiting is not None and self.waiting() >= self.max_waiting:
             raise APIError(
                 503,
@@ -60,6 +64,12 @@ class ServerState:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.in_flight += engine_requests
+        if self.sessions is not None:
+            self.sessions.expire()  # here too, for an app run without its lifespan (a replica)
+            if session_id is not None:
+                self.sessions.begin(session_id)
 
-    def release(self, engine_requests: int) -> None:
+    def release(self, engine_requests: int, session_id: str | None = None) -> None:
         self.in_flight -= engine_requests
+        if session_id is not None and self.sessions is not None:
+            self.sessions.end(session_id)

@@ -1,0 +1,158 @@
+"""Chat sessions over HTTP: the `session_id` extra reaches the engine's `session` eviction policy,
+and a session ends by `DELETE /v1/sessions/{id}` or by its idle timeout.
+
+The HTTP checks run a real `radixkv serve` (the `openai` client sends `session_id` through
+`extra_body`) with a pool of 12 blocks of 16 tokens, and read what the pool kept from the
+`cached_tokens` that a conversation's next turn reports. Each conversation and each one-off
+request fills 3 blocks, so four one-off requests after two conversations force 6 blocks out:
+which 6 says how the server ranked them. `SessionTracker`'s own rules run on a fake clock.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from test_server import KEY, serve
+
+from radixkv.server.sessions import SessionTracker
+
+SERVE_ARGS = ("--block-size", "16", "--kv-cache-memory", "96KiB", "--eviction", "session")
+SERVE_ARGS += ("--api-key", KEY, "--served-model-name", "tiny")
+MAX_TOKENS = 8
+
+
+def ids(seed: int, n: int = 36) -> list[int]:
+    """Random byte ids; the first differs per seed, so no two prompts share a block."""
+    rng = random.Random(seed)
+    return [seed % 256] + [rng.randrange(256) for _ in range(n - 1)]
+
+
+def complete(client: openai.OpenAI, prompt: list[int], session: str | None = None) -> openai.types.Completion:
+    extra = {"ignore_eos": True, **({"session_id": session} if session is not None else {})}
+    return client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body=extra
+    )
+
+
+def cached(client: openai.OpenAI, prompt: list[int], session: str | None) -> int:
+    """The tokens of `prompt` the pool still holds, as a next turn extending it finds them."""
+    out = complete(client, prompt + [1, 2, 3, 4], session)
+    return out.usage.prompt_tokens_details.cached_tokens
+
+
+def one_offs(client: openai.OpenAI) -> None:
+    for seed in range(100, 104):
+        complete(client, ids(seed))
+
+
+def delete(url: str, session: str, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.delete(f"{url}/v1/sessions/{session}", headers=headers, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def folder(model_folders):
+    return model_folders["llama"]
+
+
+def open_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+def test_a_live_session_outlives_one_offs_and_a_closed_one_gives_its_blocks_up(folder, tmp_path):
+    a, b = ids(1), ids(2)
+    with serve(folder, tmp_path / "serve.log", *SERVE_ARGS, "--session-idle-timeout", "0") as (url, _):
+        client = open_client(url)
+        complete(client, a, "a")
+        complete(client, b, "b")
+        assert delete(url, "b", key=None).status_code == 401
+        closed = delete(url, "b")
+        assert closed.status_code == 200, closed.text
+        assert closed.json() == {"id": "b", "object": "session", "deleted": True}
+        unknown = delete(url, "b")  # closed already
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "session_id"
+        with pytest.raises(openai.BadRequestError, match="session_id"):
+            complete(client, a, "")
+        one_offs(client)
+        # LRU would evict a, the oldest, first; the session policy evicts the closed b instead.
+        assert cached(client, a, "a") >= len(a) - 4
+        assert cached(client, b, "b") == 0
+
+
+def test_an_idle_session_is_closed_by_its_timeout(folder, tmp_path):
+    """Live, b would outrank the one-off requests (the test above) and keep its blocks; closed
+    by its timeout, it is the oldest of equals and goes first."""
+    b = ids(2)
+    with serve(folder, tmp_path / "serve.log", *SERVE_ARGS, "--session-idle-timeout", "0.5") as (url, _):
+        client = open_client(url)
+        complete(client, b, "b")
+        time.sleep(1.5)  # b's timeout passes, with no request to notice it: the server's own task
+        assert delete(url, "b").status_code == 404  # closed already
+        one_offs(client)
+        assert cached(client, b, "b") == 0
+
+
+# ------------------------------------------------------------------ the tracker's rules
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tracker(timeout: float | None) -> tuple[SessionTracker, list[str], Clock]:
+    closed: list[str] = []
+    clock = Clock()
+    return SessionTracker(closed.append, timeout, clock), closed, clock
+
+
+def test_idle_sessions_expire_in_order_and_never_under_a_request_in_flight():
+    sessions, closed, clock = tracker(10.0)
+    sessions.begin("a")
+    sessions.end("a")  # idle from 0
+    clock.now = 2.0
+    sessions.begin("b")  # in flight from 2
+    clock.now = 4.0
+    sessions.begin("c")
+    sessions.end("c")  # idle from 4
+    clock.now = 12.0
+    assert sessions.expire() == ["a"] and closed == ["a"]
+    clock.now = 30.0
+    assert sessions.expire() == ["c"]  # b is still in flight
+    sessions.end("b")
+    clock.now = 39.0
+    assert sessions.expire() == []
+    clock.now = 40.0
+    assert sessions.expire() == ["b"] and closed == ["a", "c", "b"] and len(sessions) == 0
+
+
+def test_an_explicit_close_waits_for_the_requests_in_flight_and_a_new_turn_reopens():
+    sessions, closed, clock = tracker(None)  # no timeout: only explicit closes
+    assert not sessions.close("x")
+    sessions.begin("x")
+    sessions.begin("x")
+    assert sessions.close("x") and closed == []
+    sessions.end("x")
+    assert closed == []
+    sessions.end("x")
+    assert closed == ["x"] and "x" not in sessions
+    sessions.begin("x")  # the next turn opens it again
+    assert sessions.close("x") and closed == ["x"]  # still in flight: not yet
+    sessions.begin("x")  # a new turn while closing cancels the close
+    sessions.end("x")
+    sessions.end("x")
+    assert closed == ["x"] and "x" in sessions
+    clock.now = 1e9
+    assert sessions.expire() == [] and sessions.check_interval_s is None
+
+
+def test_a_negative_timeout_is_refused():
+    with pytest.raises(ValueError, match="idle timeout"):
+        SessionTracker(lambda s: None, -1.0)
