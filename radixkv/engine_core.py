@@ -220,19 +220,19 @@ class EngineCore:
         their rank over one-off requests' (a later turn with the same id revives it, and so does
         the admission of one of its turns still waiting). With `wait` (the default) that is done
         when this returns; without, before the next step schedules anything, as `abort` does."""
-        self._closed_sessions.append(session_id)
-        if wait:
-            with self._lock:
-                self._notify(self._drain())
-        elif self.on_submit is not None:
-            self.on_submit()
+        self._queue(self._closed_sessions, session_id, wait)
 
     def abort(self, request_id: str, *, wait: bool = True) -> None:
         """Ends a request wherever it is (queued, prefilling, decoding, a beam group, the forks of
         n > 1): its computed KV is cached, its tables and locks released, its unfinished
         samples end with finish_reason "abort". With `wait` (the default) that is done when this
         returns; without, the next step does it. Unknown or finished requests are ignored."""
-        self._aborts.append(request_id)
+        self._queue(self._aborts, request_id, wait)
+
+    def _queue(self, queue: deque[str], item: str, wait: bool) -> None:
+        """Queues an abort or a session close for the next drain: at once, under the step lock,
+        with `wait`; else the next step does it (`on_submit` wakes an idle loop)."""
+        queue.append(item)
         if wait:
             with self._lock:
                 self._notify(self._drain())

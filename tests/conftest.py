@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, PreTrainedModel, Qwen2Config
 
+from radixkv import Engine
 from radixkv.model.loader import LoadedModel, build_random_model
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
@@ -96,3 +97,13 @@ def model_folders(
         build_byte_tokenizer().save_pretrained(folder)
         folders[name] = folder
     return folders
+
+
+SMALL_POOL = {"block_size": 4, "kv_cache_memory": "8MiB"}
+"""Engine settings of the small engine that a test module shares (`small_llama_engine`)."""
+
+
+@pytest.fixture(scope="module")
+def small_llama_engine(model_folders) -> Engine:
+    """The llama of `model_folders` on a small pool (`SMALL_POOL`), one engine per test module."""
+    return Engine.from_pretrained(model_folders["llama"], **SMALL_POOL)

@@ -9,15 +9,14 @@ import random
 import threading
 
 import pytest
+from conftest import SMALL_POOL
 
 from radixkv import AsyncEngine, Engine, EngineConfig, SamplingParams
 
-KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
-
 
 @pytest.fixture(scope="module")
-def engine(model_folders) -> Engine:
-    return Engine.from_pretrained(model_folders["llama"], **KW)
+def engine(small_llama_engine) -> Engine:
+    return small_llama_engine
 
 
 def prompt(seed: int) -> list[int]:
@@ -102,7 +101,7 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(engine, m
 
 def test_async_texts_are_made_in_the_callers_thread(model_folders):
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model=model_folders["llama"], **KW))
+        engine = AsyncEngine(EngineConfig(model=model_folders["llama"], **SMALL_POOL))
         tokenizer = engine.tokenizer
         decode, threads = tokenizer.decode, set()
 

@@ -9,12 +9,10 @@ import torch
 
 from radixkv import Engine, SamplingParams
 
-KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
-
 
 @pytest.fixture(scope="module")
-def engine(model_folders) -> Engine:
-    return Engine.from_pretrained(model_folders["llama"], **KW)
+def engine(small_llama_engine) -> Engine:
+    return small_llama_engine
 
 
 def prompt(seed: int) -> list[int]:
