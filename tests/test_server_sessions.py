@@ -10,6 +10,8 @@ which 6 says how the server ranked them. `SessionTracker`'s own rules run on a f
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import time
 
@@ -18,6 +20,8 @@ import openai
 import pytest
 from test_server import KEY, serve
 
+from radixkv import AsyncEngine, EngineConfig
+from radixkv.server.app import build_app
 from radixkv.server.sessions import SessionTracker
 
 SERVE_ARGS = ("--block-size", "16", "--kv-cache-memory", "96KiB", "--eviction", "session")
@@ -156,3 +160,57 @@ def test_an_explicit_close_waits_for_the_requests_in_flight_and_a_new_turn_reope
 def test_a_negative_timeout_is_refused():
     with pytest.raises(ValueError, match="idle timeout"):
         SessionTracker(lambda s: None, -1.0)
+
+
+def test_a_stream_whose_client_left_before_it_began_releases_its_admission(folder):
+    """The client of a streamed request is gone while the response starts: Starlette cancels the
+    response before the body generator runs (so the generator's own `finally` never does). The
+    admission count and the session's request still end, and the engine request is aborted."""
+    body = {"model": "tiny", "prompt": ids(7), "max_tokens": 64, "stream": True, "ignore_eos": True}
+    body["session_id"] = "left-early"
+    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0.05)  # a slow transport: the disconnect is seen before the body starts
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=folder, block_size=16, kv_cache_memory="96KiB"))
+        app = build_app(engine, "tiny", session_idle_timeout_s=0)
+        state = app.state.radixkv
+        await app(scope, receive, send)
+        assert state.in_flight == 0
+        assert state.sessions.close("left-early") and "left-early" not in state.sessions
+        deadline = time.monotonic() + 30
+        while engine.core.has_work() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not engine.core.has_work(), "the engine request was not aborted"
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_session_id_holding_a_slash_can_be_closed(folder):
+    async def main() -> httpx.Response:
+        engine = AsyncEngine(EngineConfig(model=folder, block_size=16, kv_cache_memory="96KiB"))
+        app = build_app(engine, "tiny", session_idle_timeout_s=0)
+        sessions = app.state.radixkv.sessions
+        sessions.begin("team/7")
+        sessions.end("team/7")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://radixkv") as client:
+            response = await client.delete("/v1/sessions/team/7")
+        await engine.shutdown()
+        assert "team/7" not in sessions
+        return response
+
+    response = asyncio.run(main())
+    assert response.status_code == 200 and response.json()["id"] == "team/7"

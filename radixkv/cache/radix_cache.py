@@ -331,11 +331,13 @@ class RadixCache:
             _unpin(node)
 
     def set_session_live(self, session: str, live: bool) -> None:
-        """Marks a chat session live (it has more turns to come) or closed. Evictable leaves the
-        session last touched are re-keyed, as the `session` policy ranks them by it."""
+        """Marks a chat session live (it has more turns to come) or closed. Under the `session`
+        policy, which ranks leaves by it, the evictable leaves the session last touched are re-keyed
+        (a scan of the evictable leaves); no other policy looks at sessions, so nothing moves."""
         if (session in self.live_sessions) == live:
             return
-        moved = [n for n in self._leaves if n.session == session]
+        ranked = isinstance(self.policy, SessionAware)
+        moved = [n for n in self._leaves if n.session == session] if ranked else []
         for node in moved:
             self._detach(node)
         if live:

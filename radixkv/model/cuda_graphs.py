@@ -128,6 +128,8 @@ class DecodeGraphs:
             message = f"CUDA graph capture failed (batch {size}); decoding eagerly: {error}"
             warnings.warn(message, stacklevel=2)
             self.failed = True
+            self._graphs.clear()  # never replayed now: give their memory back
+            self._pool = None
             return False
         self._pool = graph.pool()
         self._graphs[size] = (graph, logits)

@@ -111,8 +111,10 @@ class ModelRunner:
         """Compiles the step's kernels before the first request: a prefill forward, a block copy,
         then every decode graph (`DecodeGraphs.capture_all`). Otherwise the first step of each new
         shape stalls every request in flight for a Triton compile (about a second each; Triton's
-        disk cache makes later starts quicker). The prefill writes into block 0 and the copy into
-        block 1, both free at start: a block's slots are always stored before they are read."""
+        disk cache makes later starts quicker). Eager decodes (`enforce_eager`, or after a failed
+        capture) still compile their plan on first use. The prefill writes into block 0
+        and the copy into block 1, both free at start: a block's slots are always stored before
+        they are read."""
         self.forward([SequenceChunk([0] * min(self.block_size, 2), 0, [0])])
         if self.num_blocks > 1:
             self.copy_blocks([0], [1])

@@ -110,7 +110,7 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id:path}")  # an id may hold "/"
     async def close_session(request: Request, session_id: str) -> dict:
         """Closes the chat session now, or when its requests in flight end."""
         state.authorize(request.headers.get("authorization"))

@@ -5,7 +5,8 @@ models, build the prompt ids (chat: the template with known replies spliced in),
 engine params (a ValueError names the field: 400), admit (503 when full), run. A non-streamed
 request races its client: when the client disconnects first, the work is cancelled, which aborts
 its engine requests. A streamed request is ended the same way by Starlette, which cancels the
-stream when the client disconnects. The admission count is released on every path.
+stream when the client disconnects (`_EventStream` then releases it). The admission count is
+released on every path.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -70,10 +71,13 @@ async def create(
     count = len(prompts) * (body.n if body.stream else 1)
     state.admit(count, body.session_id)
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat, count, body.session_id)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        events = _events(state, streams, fmt, body.include_usage, chat)
+
+        async def end_stream() -> None:
+            state.release(count, body.session_id)
+            await streams.aclose()
+
+        return _EventStream(events, end_stream)
     run = run_beam_search if body.use_beam_search else run_sampling
     work = run(engine, prompts, params, request_id, body.session_id)
     try:
@@ -130,8 +134,6 @@ async def _events(
     fmt: Formatter,
     include_usage: bool,
     chat: bool,
-    count: int,
-    session_id: str | None,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
     chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event."""
@@ -156,9 +158,23 @@ async def _events(
     except RequestError as e:
         error = APIError(500, str(e), type="server_error", code="engine_step_failed")
         yield _sse(error.body())
-    finally:
-        state.release(count, session_id)
-        await streams.aclose()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `end` (release the admission, abort what still runs) however it
+    ends: sent whole, failed, or cancelled when its client disconnects. The body generator's own
+    `finally` is not enough: Starlette cancels a stream whose client is already gone before the
+    generator starts, and a generator that never started never runs its `finally`."""
+
+    def __init__(self, events: AsyncIterator[str], end: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
 
 
 def _sse(payload: dict[str, Any]) -> str:
