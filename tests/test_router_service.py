@@ -43,7 +43,7 @@ class Scripted:
 
 def serve(replicas):
     service = RouterService(Router("round-robin", len(replicas), 64, 4), replicas, tokenizer=None)
-    app = Starlette(routes=[Route("/{path:path}", service.handle, methods=["GET", "POST"])])
+    app = Starlette(routes=[Route("/{path:path}", service.handle, methods=["GET", "POST", "DELETE"])])
     return service, TestClient(app)
 
 
@@ -109,3 +109,34 @@ def test_unknown_routes_are_404_in_openai_shape(path):
     _, client = serve([Scripted([])])
     r = client.post(path, json={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+CLOSED = b'{"id": "chat/7", "object": "session", "deleted": true}'
+NOT_OPEN = b'{"error": {"message": "no open chat session", "code": "session_not_found"}}'
+
+
+def test_a_session_close_goes_to_every_replica_and_is_a_200_if_any_had_it_open():
+    without = Scripted([ResponseHead(404, JSON), NOT_OPEN])
+    holder = Scripted([ResponseHead(200, JSON), CLOSED])
+    service, client = serve([without, holder])
+    r = client.delete("/v1/sessions/chat/7", headers={"authorization": "Bearer k"})
+    assert (r.status_code, r.content, r.headers[REPLICA_HEADER]) == (200, CLOSED, "1")
+    for replica in (without, holder):
+        (sent,) = replica.requests
+        assert (sent.method, sent.path) == ("DELETE", "/v1/sessions/chat/7")
+        assert ("authorization", "Bearer k") in sent.headers
+    assert [s.load for s in service.router.stats] == [0, 0]  # a close is no routed request
+
+
+def test_a_session_no_replica_had_open_is_their_404_and_a_dead_replica_leaves_routing():
+    dead = Scripted([ReplicaFailed("ActorDiedError")])
+    without = Scripted([ResponseHead(404, JSON), NOT_OPEN])
+    service, client = serve([dead, without])
+    r = client.delete("/v1/sessions/s0")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    assert [s.alive for s in service.router.stats] == [False, True]
+    assert service.counters.failures == [1, 0]
+    without.parts = [ReplicaFailed("ActorDiedError")]
+    r = client.delete("/v1/sessions/s0")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
+    assert len(dead.requests) == 1  # out of routing: not asked again

@@ -30,6 +30,7 @@ from radixkv.cluster.asgi_call import Forwarded, ResponseHead, call_asgi
 from radixkv.cluster.router_service import ReplicaFailed, ReplicaInfo, RouterService
 from radixkv.config import EngineConfig
 from radixkv.router import Router
+from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S
 
 PROBE_PERIOD_S = 0.5
 PROBE_TIMEOUT_S = 2.0
@@ -44,12 +45,25 @@ REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableE
     logging_config={"enable_access_log": False},
 )
 class EngineReplica:
-    def __init__(self, config: EngineConfig, model_name: str, api_key: str | None, max_waiting: int | None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        api_key: str | None,
+        max_waiting: int | None,
+        session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+    ):
         from radixkv import AsyncEngine
         from radixkv.server.app import build_app
 
         self.engine = AsyncEngine(config)
-        self.app = build_app(self.engine, model_name, api_key=api_key, max_waiting=max_waiting)
+        self.app = build_app(
+            self.engine,
+            model_name,
+            api_key=api_key,
+            max_waiting=max_waiting,
+            session_idle_timeout_s=session_idle_timeout_s,
+        )
         self.info = ReplicaInfo(uuid.uuid4().hex, self.engine.metrics()["num_blocks"], config.block_size)
 
     def probe(self) -> ReplicaInfo:
@@ -127,11 +141,14 @@ def build_application(
     api_key: str | None = None,
     max_waiting: int | None = None,
     gpus_per_replica: float = 0,
+    session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
 ) -> Any:
-    """The Serve application: `replicas` engine deployments and the routing ingress."""
+    """The Serve application: `replicas` engine deployments and the routing ingress. Every
+    replica closes its chat sessions idle for `session_idle_timeout_s` (0 or None: only by
+    `DELETE /v1/sessions/{id}`, which the ingress sends to every replica)."""
     engines = [
         EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_gpus": gpus_per_replica}).bind(
-            config, model_name, api_key, max_waiting
+            config, model_name, api_key, max_waiting, session_idle_timeout_s
         )
         for i in range(replicas)
     ]

@@ -3,7 +3,9 @@
 Without `--ray-address` a local Ray instance is started (and stopped on exit); with one, the
 replicas join that cluster. Each replica asks for one GPU when the cluster has one for every
 replica, else an equal share of the GPUs there are (replicas then share a device), else none.
-The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy.
+The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy;
+every replica closes chat sessions after `--session-idle-timeout`, and the router sends
+`DELETE /v1/sessions/{id}` to all of them.
 SIGTERM or Ctrl-C shuts the application down.
 """
 
@@ -27,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.session_idle_timeout >= 0:
+        raise ValueError(f"--session-idle-timeout must be >= 0, got {args.session_idle_timeout}")
     try:
         import ray
         from ray import serve
@@ -50,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         gpus_per_replica=gpus,
+        session_idle_timeout_s=args.session_idle_timeout,
     )
     serve.run(app, name="radixkv", route_prefix="/")
     print(

@@ -18,6 +18,12 @@ reached the client yet: generation has no side effect, so the client sees only t
 covers every non-streamed request (the router holds its body until it is complete) and a stream
 that failed before its first byte. A stream already under way cannot be taken back; it ends
 with an error event in OpenAI's shape.
+
+Sessions. `DELETE /v1/sessions/{id}` goes to every replica in routing at once, since a session's
+turns are routed by prefix and usually, not always, land on one replica: the answer is a
+replica's 200 if any had the session open, else the replicas' own 404 `session_not_found`. A
+replica out of routing at that moment is not asked; its copy of the session ends by its idle
+timeout.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ log = logging.getLogger("radixkv.cluster")
 
 REPLICA_HEADER = "x-radixkv-replica"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+SESSIONS_PATH = "/v1/sessions/"
 
 
 class ReplicaFailed(RuntimeError):
@@ -80,6 +87,8 @@ class RouterService:
                 return await self._generate(request)
             if request.method == "GET" and path == "/v1/models":
                 return await self._any_replica(request)
+            if request.method == "DELETE" and path.startswith(SESSIONS_PATH):
+                return await self._close_session(request)
             if request.method == "GET" and path == "/health":
                 alive = sum(s.alive for s in self.router.stats)
                 body = {"status": "ok" if alive else "no replica alive", "replicas_alive": alive}
@@ -160,13 +169,38 @@ class RouterService:
             if not s.alive:
                 continue
             try:
-                parts = self.replicas[i].forward(forwarded)
-                head = await anext(parts)
-                body = b"".join([chunk async for chunk in parts])
-                return Response(body, head.status, _headers(head, i))
+                return await self._whole(i, forwarded)
             except ReplicaFailed:
                 self._failed(i)
         raise _unavailable("no replica is alive to serve the request")
+
+    async def _close_session(self, request: Request) -> Response:
+        """The close sent to every replica in routing: the first 200 among their answers, else
+        the first replica's answer (a 404, or the error every replica gives, as a 401)."""
+        forwarded = await _forwarded(request)
+        alive = [i for i, s in enumerate(self.router.stats) if s.alive]
+        answers = await asyncio.gather(*(self._whole(i, forwarded) for i in alive), return_exceptions=True)
+        replies = []
+        for i, answer in zip(alive, answers, strict=True):
+            if isinstance(answer, ReplicaFailed):
+                self._failed(i)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                replies.append(answer)
+        if not replies:
+            raise _unavailable("no replica is alive to serve the request")
+        return next((r for r in replies if r.status_code == 200), replies[0])
+
+    async def _whole(self, i: int, forwarded: Forwarded) -> Response:
+        """Replica `i`'s whole response to a request; raises `ReplicaFailed`."""
+        parts = self.replicas[i].forward(forwarded)
+        try:
+            head = await anext(parts)
+            body = b"".join([chunk async for chunk in parts])
+        finally:
+            await parts.aclose()
+        return Response(body, head.status, _headers(head, i))
 
     def _failed(self, i: int) -> None:
         if self.router.stats[i].alive:
