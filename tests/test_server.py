@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from radixkv.cli import main
+from radixkv.tools.replay_http import Server
 from radixkv.workloads.format import Session, Turn, write_workload
 
 KEY = "test-key"
@@ -471,7 +472,7 @@ def replay_both(
     return runs[0], runs[1]
 
 
-def test_replay_against_the_server_finds_what_the_engine_finds(server, model_folders, tmp_path):
+def test_replay_against_the_server_finds_what_the_engine_finds(server, model_folders, tmp_path, monkeypatch):
     rng = random.Random(3)
     system = [rng.randrange(128, 256) for _ in range(30)]  # no other test's prompt starts like this
     sessions = [
@@ -482,12 +483,29 @@ def test_replay_against_the_server_finds_what_the_engine_finds(server, model_fol
     ]
     workload = tmp_path / "w.jsonl"
     write_workload(workload, sessions, {"generator": "test"})
+    closes = []
+    close = Server.close_session
+
+    def recorded_close(self: Server, session_id: str) -> bool:
+        closes.append((session_id, close(self, session_id)))
+        return closes[-1][1]
+
+    monkeypatch.setattr(Server, "close_session", recorded_close)
     local, url = replay_both(workload, model_folders["llama"], server, tmp_path)
+    # Each session's turns carried its id: the server had it open until the replay closed it.
+    assert sorted(closes) == [("s0", True), ("s1", True)]
+    assert Server(f"{server}/v1", KEY).close_session("s0") is False  # the replay closed it
     assert url["requests"] == local["requests"] == 6
     assert url["prompt_tokens"] == local["prompt_tokens"]
     assert url["output_tokens"] == local["output_tokens"]
     assert url["cached_tokens"] == local["cached_tokens"] > 0
     assert url["hit_rate"] == local["hit_rate"]
+
+
+def test_replay_closing_a_session_the_server_does_not_hold_is_no_error_but_a_refusal_is(server):
+    assert Server(f"{server}/v1", KEY).close_session("never-opened") is False
+    with pytest.raises(ValueError, match="answered 401"):
+        Server(f"{server}/v1", "wrong-key").close_session("never-opened")
 
 
 def test_replay_over_chat_sends_the_prompts_the_engine_would(server, model_folders, tmp_path):

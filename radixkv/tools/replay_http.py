@@ -15,6 +15,11 @@ so every prompt is the one the in-process replay would send. `--endpoint chat` (
 text workloads) sends messages and the replies as text, as a chat client does; the server's
 template and tokenizer decide the ids.
 
+Sessions. Every turn carries its workload session's name as the `session_id` extra, so a server
+with the `session` eviction policy tells the conversations apart, and the session is closed with
+`DELETE /v1/sessions/{id}` after its last turn, as the in-process replay closes it. A 404 or 405
+there (a server without the route, or a session already closed by its idle timeout) is no error.
+
 A 503 is retried after its `Retry-After`, and the wait counts in the turn's TTFT, as a user would
 see it. Counters that only the server knows (preemptions, evictions, copy-on-write copies) come
 from its `/metrics` when it exposes radixkv's names, as the change over the run; KV usage is not
@@ -76,9 +81,23 @@ class Server:
         return headers
 
     def get(self, path: str) -> tuple[int, bytes]:
+        return self._call("GET", path)
+
+    def close_session(self, session_id: str) -> bool:
+        """`DELETE /v1/sessions/{session_id}`: True if the server had the session open, False if
+        it answers that it had not (404) or has no such route (404, 405); raises otherwise."""
+        path = "/v1/sessions/" + urllib.parse.quote(session_id, safe="")
+        status, body = self._call("DELETE", path)
+        if status in (404, 405):
+            return False
+        if status != 200:
+            raise ValueError(f"DELETE {path} answered {status}: {body[:500]!r}")
+        return True
+
+    def _call(self, method: str, path: str) -> tuple[int, bytes]:
         conn = self.connect()
         try:
-            conn.request("GET", self.base_path + path, headers=self.headers())
+            conn.request(method, self.base_path + path, headers=self.headers())
             response = conn.getresponse()
             return response.status, response.read()
         finally:
@@ -154,6 +173,7 @@ def replay_url(
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                "session_id": session.name,
             }
             if conv is not None:
                 body.update(prompt=conv.prompt(turn.user), logprobs=0, return_tokens_as_token_ids=True)
@@ -185,6 +205,8 @@ def replay_url(
                     bar.update(1)
             if k + 1 < len(session.turns):
                 due = reply.finish_s - start + session.turns[k + 1].think / speed
+            else:
+                server.close_session(session.name)
 
     with ThreadPoolExecutor(max_workers=max(len(sessions), 1)) as pool:
         for future in [pool.submit(run_session, s) for s in sessions]:
