@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -22,6 +23,7 @@ from radixkv.cluster.router_service import REPLICA_HEADER  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.cluster
+IDLE_S = 2.0  # the replicas' session idle timeout
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,8 @@ def base_url():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(model="tiny-llama", kv_cache_memory="8MiB", max_model_len=1024)
-        serve.run(build_application(config, 2, "cache-aware", "tiny-llama"), name="radixkv", route_prefix="/")
+        app = build_application(config, 2, "cache-aware", "tiny-llama", session_idle_timeout_s=IDLE_S)
+        serve.run(app, name="radixkv", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -104,6 +107,31 @@ def test_a_stream_through_the_router_equals_the_whole_reply_from_the_same_replic
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 8)
     assert usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 16
+
+
+def session_turn(client, text: str, session: str | None) -> int:
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=2,
+        extra_body={"session_id": session} if session else None,
+    )
+    return int(raw.headers[REPLICA_HEADER])
+
+
+def test_a_session_is_closed_through_the_router_by_delete_or_by_the_replicas_idle_timeout(client, base_url):
+    # One replica holds the session, the other does not: the router's answer is the holder's 200.
+    session_turn(client, "A session the client closes itself, 8111.", "closed/by-client")
+    r = httpx.delete(f"{base_url}/v1/sessions/closed/by-client", timeout=30)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    r = httpx.delete(f"{base_url}/v1/sessions/closed/by-client", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # The replica got --session-idle-timeout: past it, its next request closes the idle session.
+    text = "A session left idle, 9221."
+    replica = session_turn(client, text, "idle")
+    time.sleep(IDLE_S + 0.5)
+    assert session_turn(client, text, None) == replica  # the cached prompt goes back to its replica
+    assert httpx.delete(f"{base_url}/v1/sessions/idle", timeout=30).status_code == 404
 
 
 def test_models_and_health_answer_through_the_router(client, base_url):
