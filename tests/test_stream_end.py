@@ -10,19 +10,16 @@ against transformers in test_engine.py.
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
+
+from test_abort import prompt
+from test_async_engine import leak_free
 
 from radixkv import AsyncEngine, Engine, EngineConfig, SamplingParams, StreamDelta
 from radixkv.chat_session import AsyncChatSession
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 16}
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 def abort_all_at_step(step: int):
@@ -45,12 +42,6 @@ def assert_ends_once(deltas: list[StreamDelta], reason: str) -> None:
 
 def assert_closing(delta: StreamDelta) -> None:
     assert delta.token_id is None and delta.text == "" and delta.logprobs is None
-
-
-def leak_free(core) -> None:
-    core.check_invariants()
-    assert core.kv.num_live_tables() == 0
-    assert not core._requests
 
 
 # ---------------------------------------------------------------------------- sync Engine
@@ -182,6 +173,55 @@ def test_an_aborted_async_chat_turn_records_finish_reason_abort(model_folders, m
             assert chat.messages[-1] == {"role": "assistant", "content": engine.decode(reply)}
             chat.close()
         finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- the server's SSE
+
+
+def test_an_sse_stream_aborted_by_the_engine_ends_with_an_abort_chunk(model_folders):
+    """The closing delta becomes a chunk with the finish reason and no text, and counts no
+    token: with logprobs every token has its own chunk, so `completion_tokens` is checked
+    against the chunks that carry one."""
+    import httpx
+    import openai
+
+    from radixkv.server.app import build_app
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        app = build_app(engine, "tiny", session_idle_timeout_s=0)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://radixkv")
+        client = openai.AsyncOpenAI(base_url="http://radixkv/v1", api_key="-", http_client=http)
+        # 40 prompt tokens at 16 a step: the third step makes the first token. Aborted after step
+        # 1 the stream has no token; after step 5, three.
+        try:
+            for step, made in ((1, 0), (5, 3)):
+                hook = abort_all_at_step(engine.core.num_steps + step)
+                engine.core.step_hooks.append(hook)
+                stream = await client.completions.create(
+                    model="tiny",
+                    prompt=prompt(7 + step, 40),
+                    max_tokens=40,
+                    temperature=0,
+                    logprobs=1,
+                    extra_body={"ignore_eos": True},
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = [c async for c in stream]
+                engine.core.step_hooks.remove(hook)
+                choices = [c.choices[0] for c in chunks if c.choices]
+                assert choices[-1].finish_reason == "abort"
+                assert choices[-1].text == "" and choices[-1].logprobs is None
+                assert all(c.finish_reason is None for c in choices[:-1])
+                assert sum(len(c.logprobs.tokens) for c in choices[:-1]) == made
+                assert chunks[-1].usage.completion_tokens == made
+            leak_free(engine.core)
+        finally:
+            await http.aclose()
             await engine.shutdown()
 
     asyncio.run(main())
