@@ -48,15 +48,12 @@ class _Handle:
 
 @dataclass(slots=True)
 class _Progress:
-    """Posted to a stream: its first `end` generated tokens are made (the last, if `finished`).
-    The caller's coroutine turns them into deltas, detokenizing there, off the step lock."""
+    """Posted to a stream: its first `end` generated tokens are made (the last, if `finished`:
+    the stream's last item). The caller's coroutine turns them into deltas, detokenizing there,
+    off the step lock."""
 
     end: int
     finished: bool
-
-
-class _End:
-    """Posted after a stream's last delta."""
 
 
 class AsyncEngine:
@@ -201,12 +198,12 @@ class AsyncEngine:
                 item = await handle.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item is _End:
-                    return
                 deltas = self.core.stream_deltas(request, handle.seq, sent, item.end, item.finished)
                 sent = item.end
                 for delta in deltas:
                     yield delta
+                if item.finished:
+                    return
         finally:
             self._close(handle)
 
@@ -234,13 +231,16 @@ class AsyncEngine:
 
     def _dispatch(self, requests: list[Request]) -> None:
         """In the loop thread, under the step lock: posts each request's news to its caller,
-        as token counts and finished requests; the caller's coroutine makes the text."""
+        as token counts and finished requests; the caller's coroutine makes the text. A stream's
+        last item is its finished `_Progress`, posted even with no new token (an abort), so that
+        its last delta carries the finish reason; a failed stream gets its RequestError."""
         for request in requests:
             handle = self._handles.get(request.request_id)
             finished = request.status is Status.FINISHED
-            if handle is not None and handle.seq is not None and request.error is None:
+            streamed = handle is not None and handle.seq is not None and request.error is None
+            if streamed:
                 end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
-                if end > handle.published:
+                if end > handle.published or finished:
                     handle.published = end
                     self._post(handle, _Progress(end, finished))
             if not finished:
@@ -251,7 +251,8 @@ class AsyncEngine:
                 result = exc
             if handle is not None:
                 handle.done = True
-                self._post(handle, _End if handle.seq is not None and request.error is None else result)
+                if not streamed:
+                    self._post(handle, result)
 
     def _post(self, handle: _Handle, item: Any) -> None:
         try:

@@ -89,7 +89,8 @@ class ChatSession(_Session):
         self._check_open()
         reply, reason = [], None
         for piece in self.engine.stream(self.conversation.prompt(message), params, self.session_id):
-            reply.append(piece.token_id)
+            if piece.token_id is not None:  # None: the closing delta of an aborted turn
+                reply.append(piece.token_id)
             reason = piece.finish_reason
             yield piece
         self._record(reply, reason)
@@ -116,7 +117,8 @@ class AsyncChatSession(_Session):
         reply, reason = [], None
         prompt = self.conversation.prompt(message)
         async for piece in self.engine.stream(prompt, params, session_id=self.session_id):
-            reply.append(piece.token_id)
+            if piece.token_id is not None:  # None: the closing delta of an aborted turn
+                reply.append(piece.token_id)
             reason = piece.finish_reason
             yield piece
         self._record(reply, reason)

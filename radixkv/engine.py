@@ -53,8 +53,9 @@ class Engine(EngineCore):
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, session_id: str | None = None
     ) -> Iterator[StreamDelta]:
-        """Yields each generated token as soon as it is made, with its piece of text. Closing the
-        iterator early (or dropping it) aborts the request."""
+        """Yields each generated token as soon as it is made, with its piece of text; the last
+        delta carries the finish reason, on a closing delta without a token when the request was
+        aborted (`StreamDelta`). Closing the iterator early (or dropping it) aborts the request."""
         request = self.make_request(prompt, params, call="stream", session_id=session_id)
         if request.params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={request.params.n}")
@@ -73,7 +74,7 @@ class Engine(EngineCore):
                     finished = request.status is Status.FINISHED
                     end = len(seq.tokens) - base
                 deltas = self.stream_deltas(request, seq, sent, end, finished)
-                sent += len(deltas)
+                sent = end
                 yield from deltas
                 if finished:
                     return

@@ -64,12 +64,19 @@ class Beam:
 
 @dataclass(slots=True)
 class StreamDelta:
-    """What `stream` yields per generated token; `finish_reason` is set on the last.
+    """What `stream` yields per generated token; `finish_reason` is set on the last delta of
+    every stream, and on no other.
 
     `text` is the text this token completes: "" while it ends inside a multi-byte character or
-    might begin a stop string; the texts of all deltas joined are the sample's text."""
+    might begin a stop string; the texts of all deltas joined are the sample's text.
 
-    token_id: int
+    A request that ends without making a token since the previous delta (aborted before its
+    first token or between two tokens) ends its stream with a closing delta: `token_id` None,
+    `text` "", no logprobs, and the finish reason. Only such a delta has no token, so a consumer
+    counting or collecting tokens skips `token_id is None`. A stream that ends with a token
+    (stop, length) carries its finish reason on that token's delta and has no closing delta."""
+
+    token_id: int | None
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = field(default=None)  # this token's record, when asked for

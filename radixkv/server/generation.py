@@ -136,7 +136,8 @@ class ChoiceStreams:
         """Forwards one stream's deltas; None marks its end, an exception its failure."""
         try:
             async for delta in stream:
-                self.usage.completion_tokens += 1
+                if delta.token_id is not None:  # None: a closing delta, no token
+                    self.usage.completion_tokens += 1
                 if delta.num_cached_tokens is not None:
                     self.usage.cached_tokens += delta.num_cached_tokens
                 queue.put_nowait((index, delta))

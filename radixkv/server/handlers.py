@@ -143,7 +143,9 @@ async def _events(
     try:
         async for index, delta in streams:
             texts.setdefault(index, []).append(delta.text)
-            ids.setdefault(index, []).append(delta.token_id)
+            reply = ids.setdefault(index, [])
+            if delta.token_id is not None:  # None: a closing delta, no token
+                reply.append(delta.token_id)
             if not delta.text and delta.finish_reason is None and delta.logprobs is None:
                 continue  # held back (part of a character, or maybe a stop string)
             choice = Choice(index, delta.text, delta.finish_reason, delta.logprobs)
