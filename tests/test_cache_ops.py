@@ -116,6 +116,12 @@ def test_small_tiles_cover_every_row_and_column(monkeypatch: pytest.MonkeyPatch)
     generator = torch.Generator().manual_seed(2)
     slots = torch.randperm(32, generator=generator)[:9].to(DEVICE)
     k, v = torch.randn(2, 9, 3, 40, generator=generator).to(DEVICE, torch.float16)
+    assert_store_then_copy_match_reference(k_cache, v_cache, k, v, slots)
+
+
+def assert_store_then_copy_match_reference(k_cache, v_cache, k, v, slots) -> None:
+    """store_kv of `k`, `v` at `slots`, then a copy of blocks 1, 2, 5 to 0, 6, 7 (needs 8 blocks),
+    leave the caches exactly as the plain-torch references do."""
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kv_ref(k, v, expected_k, expected_v, slots)
     copy_blocks_ref(expected_k, expected_v, [1, 2, 5], [0, 6, 7])

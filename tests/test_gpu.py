@@ -15,9 +15,10 @@ import random
 
 import pytest
 import torch
-from radixkv.kernels import copy_blocks, paged_attention, store_kv
+from radixkv.kernels import paged_attention
 from radixkv.kernels.dispatch import interpreted
-from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, store_kv_ref
+from radixkv.kernels.reference import paged_attention_ref
+from test_cache_ops import assert_store_then_copy_match_reference
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from radixkv.cli import main
@@ -75,12 +76,7 @@ def test_compiled_store_and_copy_match_the_reference(dtype):
     k, v = torch.randn(2, 40, 4, 128, generator=generator).to(CUDA, dtype)
     slots = torch.randperm(256, generator=generator)[:40].to(CUDA)
     slots[::7] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    store_kv_ref(k, v, expected_k, expected_v, slots)
-    copy_blocks_ref(expected_k, expected_v, [1, 2, 5], [0, 6, 7])
-    store_kv(k, v, k_cache, v_cache, slots)
-    copy_blocks(k_cache, v_cache, [1, 2, 5], [0, 6, 7])
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert_store_then_copy_match_reference(k_cache, v_cache, k, v, slots)
 
 
 def cuda_reference(reference_models, name: str):

@@ -137,9 +137,12 @@ class LayeredLoad:
             self._done[layer] += 1
 
 
-def _index(blocks: list[int], device: torch.device) -> torch.Tensor:
-    """Block ids on `device`; on CUDA sent from pinned memory, so the host does not wait."""
-    ids = torch.tensor(blocks, dtype=torch.long, device="cpu")
+def send(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of ids on `device`; on CUDA sent from pinned memory, so the host does not wait."""
     if device.type == "cuda":
         return ids.pin_memory().to(device, non_blocking=True)
-    return ids
+    return ids.to(device)
+
+
+def _index(blocks: list[int], device: torch.device) -> torch.Tensor:
+    return send(torch.tensor(blocks, dtype=torch.long, device="cpu"), device)

@@ -11,6 +11,7 @@ memory for its activations. On the CPU: a fifth of the available RAM, at most 1 
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -56,6 +57,10 @@ def profile_peak_memory(
     if max_num_batched_tokens % per_seq:
         lengths.append(max_num_batched_tokens % per_seq)
     blocks = [-(-n // block_size) for n in lengths]
+    # An engine no longer referenced but held in reference cycles (a runner and its CUDA graphs)
+    # still holds its KV cache until a collection: collect first, so that a second engine in the
+    # process (replay --compare) does not count the first one's memory as its own peak.
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

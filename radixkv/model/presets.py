@@ -22,7 +22,6 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, IM_END, PAD_TOKEN, SPECIAL_TOKENS
 
-DEFAULT_PRESET = "tiny-llama"
 PRESET_INITIALIZER_RANGE = 0.3
 _EOS_ID = 256 + SPECIAL_TOKENS.index(IM_END)
 _PAD_ID = 256 + SPECIAL_TOKENS.index(PAD_TOKEN)

@@ -19,7 +19,7 @@ from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.host_kv import HostKVCache
-from radixkv.model.layered_load import LayeredLoad
+from radixkv.model.layered_load import LayeredLoad, send
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 
@@ -192,7 +192,7 @@ class ModelRunner:
         offsets = torch.arange(num_layers, dtype=torch.int64, device="cpu").view(1, -1, 1) * self.num_blocks
         # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
         ids = (torch.tensor(blocks, dtype=torch.int64, device="cpu").view(2, 1, -1) + offsets).view(2, -1)
-        ids = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+        ids = send(ids, self.device)
         k_flat, v_flat = self.kv_cache[0].flatten(0, 1), self.kv_cache[1].flatten(0, 1)
         kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])
 

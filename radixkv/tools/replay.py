@@ -15,7 +15,6 @@ infinite cache would find in the workload's prompts (`radixkv.tools.simulate`).
 from __future__ import annotations
 
 import argparse
-import gc
 import heapq
 import json
 import sys
@@ -261,9 +260,6 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     for name, run_config in configs.items():
         runs[name] = replay(workload, run_config, args.speed, progress)
-        # An engine's reference cycles hold its KV cache until a collection: free it before the next
-        # run's engine sizes its own cache from the memory left (on CUDA, by a profiling forward).
-        gc.collect()
     tokenizer = workload_tokenizer(workload, args.model)
     report = {
         "workload": str(args.workload),
