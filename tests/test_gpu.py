@@ -233,3 +233,15 @@ def test_swap_preemption_on_cuda_finishes_loads_before_a_graph_replay(model_fold
     for prompt, out in zip(batch, outs, strict=True):
         assert out.token_ids == greedy_reference(reference, prompt, 24)
     engine.check_invariants()
+
+
+def test_a_step_still_running_on_the_device_is_not_done_before_its_deadline():
+    import time
+
+    from radixkv.model.parallel_runner import device_done
+
+    torch.cuda.synchronize()
+    assert device_done(CUDA, time.monotonic() + 1.0)
+    torch.cuda._sleep(2_000_000_000)  # about a second of spinning on the current stream
+    assert not device_done(CUDA, time.monotonic() + 0.01)
+    assert device_done(CUDA, time.monotonic() + 30.0)
