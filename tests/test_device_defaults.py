@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from radixkv import EngineConfig
-from radixkv.model.cuda_graphs import graph_buckets
+from radixkv.model.cuda_graphs import context_widths, graph_buckets, graph_routes
 from radixkv.model.loader import auto_dtype
 from radixkv.model.memory_profile import DeviceMemory, cuda_budget, graph_memory_estimate, kv_cache_budget
 
@@ -87,3 +87,30 @@ def test_graph_memory_is_the_decode_activations_plus_every_buckets_logits():
     buckets = graph_buckets(32)
     assert graph_memory_estimate(4096 * 1000, 4096, 32, 1000) == 32 * 1000 + sum(buckets) * 1000 * 4
     assert graph_memory_estimate(100, 16, 32, 10) == 100 + sum(buckets) * 10 * 4  # never scaled above 1
+
+
+def test_context_widths_stop_below_each_capacity_where_the_plan_may_split_again():
+    # Block size 16: 1,024 keys are 64 blocks, so 63 blocks (1,008 keys) still plan one split.
+    assert context_widths(512, 16) == [63, 127, 255, 511, 512]
+    assert context_widths(100, 16) == [63, 100]
+    assert context_widths(64, 16) == [63, 64]
+    assert context_widths(8, 128) == [7, 8]
+
+
+def test_every_bucket_and_width_replays_the_widest_graph_with_its_plan():
+    buckets, widths = [1, 2, 16], [63, 127, 255, 256]
+
+    def plan_of(bucket: int, width: int) -> int:  # splits as the GPU plan takes them, 8 SMs, 1 head
+        splits = 1
+        while splits < 16 and bucket * splits < 8 and width * 16 >= 2 * splits * 512:
+            splits *= 2
+        return splits
+
+    routes = graph_routes(buckets, widths, plan_of)
+    assert set(routes) == {(b, w) for b in buckets for w in widths}
+    for (bucket, width), (graph_bucket, graph_width) in routes.items():
+        assert graph_bucket == bucket and graph_width >= width
+        assert plan_of(bucket, graph_width) == plan_of(bucket, width)
+    # Bucket 16 never splits: one graph. Bucket 1 splits 1, 2, 4, 8 ways: four graphs.
+    assert {routes[(16, w)] for w in widths} == {(16, 256)}
+    assert len({routes[(1, w)] for w in widths}) == 4

@@ -94,7 +94,8 @@ def graph_memory_estimate(
 ) -> int:
     """Bytes CUDA graphs keep for decode steps of up to `cuda_graph_max_seqs` sequences (0: none):
     the profiled step's `activations` scaled to that many tokens (one pool shared by every bucket),
-    plus each bucket's float32 logits, which stay allocated as the graphs' outputs."""
+    plus each bucket's float32 logits, which stay allocated as the graphs' outputs (small buckets
+    also captured at narrower context widths add a few rows more)."""
     if cuda_graph_max_seqs <= 0:
         return 0
     from radixkv.model.cuda_graphs import graph_buckets  # imports the runner's modules
