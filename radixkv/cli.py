@@ -55,6 +55,18 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return bench_engine.run(args)
 
 
+def _bench_model(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_model
+
+    return bench_model.run(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from radixkv.tools import bench_serve
+
+    return bench_serve.run(args)
+
+
 def _bench_tp(args: argparse.Namespace) -> int:
     from radixkv.tools import bench_tp
 
@@ -98,7 +110,15 @@ def _workload(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from radixkv.cluster import launch as cluster_launch
     from radixkv.server import launch
-    from radixkv.tools import bench_replicas, bench_tp, engine_args, replay, simulate
+    from radixkv.tools import (
+        bench_model,
+        bench_replicas,
+        bench_serve,
+        bench_tp,
+        engine_args,
+        replay,
+        simulate,
+    )
     from radixkv.workloads import commands as workload_commands
 
     parser = argparse.ArgumentParser(
@@ -144,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--case", action="append", choices=ENGINE_BENCH_CASES, help="run only this case (repeatable)"
     )
     engine.set_defaults(func=_bench_engine)
+    model = suites.add_parser("model", help="real-size models on a GPU: prefill MFU, decode MBU, replay TTFT")
+    bench_model.add_arguments(model)
+    model.set_defaults(func=_bench_model)
+    serve = suites.add_parser("serve", help="the HTTP front end's cost to the step, N streams at a time")
+    bench_serve.add_arguments(serve)
+    serve.set_defaults(func=_bench_serve)
     tp = suites.add_parser("tp", help="step time with 1 rank and with N (tensor parallelism)")
     bench_tp.add_arguments(tp)
     tp.set_defaults(func=_bench_tp)

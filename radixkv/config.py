@@ -20,6 +20,8 @@ class EngineConfig:
     free memory of the device (`radixkv.model.memory_profile.kv_cache_budget`: on CUDA what a
     profiling forward at `max_num_batched_tokens` leaves of `gpu_memory_utilization`). `dtype`
     `"auto"` is the checkpoint's on CUDA (bfloat16 when it records none) and float32 on the CPU.
+    `gpu_memory_share` is the part of the device this engine owns when several share it
+    (`serve --replicas` on fewer GPUs sets it): each then sizes its cache from its own part.
     `enforce_eager` turns off CUDA graphs for decode steps. `max_model_len` None takes the
     model's. `max_num_batched_tokens` is the per-step token budget: a longer prompt is prefilled
     in chunks. `scheduling` orders the waiting queue: `lpm` (longest cached prefix first, with
@@ -48,6 +50,7 @@ class EngineConfig:
     seed: int = 0
     device: str | None = None
     gpu_memory_utilization: float = 0.9
+    gpu_memory_share: float = 1.0
     enforce_eager: bool = False
     host_kv_cache_memory: int | str = 0
     host_write_through: bool = False
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.gpu_memory_share <= 1:
+            raise ValueError(f"gpu_memory_share must be in (0, 1], got {self.gpu_memory_share}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:

@@ -91,6 +91,8 @@ class EngineCore:
         budget = config.kv_cache_memory or profile(
             m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
+            gpu_memory_share=config.gpu_memory_share,
+            cuda_graph_max_seqs=0 if config.enforce_eager or parallel is not None else config.max_num_seqs,
         )
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         host = None

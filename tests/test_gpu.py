@@ -233,3 +233,29 @@ def test_swap_preemption_on_cuda_finishes_loads_before_a_graph_replay(model_fold
     for prompt, out in zip(batch, outs, strict=True):
         assert out.token_ids == greedy_reference(reference, prompt, 24)
     engine.check_invariants()
+
+
+def test_a_step_still_running_on_the_device_is_not_done_before_its_deadline():
+    import time
+
+    from radixkv.model.parallel_runner import device_done
+
+    torch.cuda.synchronize()
+    assert device_done(CUDA, time.monotonic() + 1.0)
+    torch.cuda._sleep(2_000_000_000)  # about a second of spinning on the current stream
+    assert not device_done(CUDA, time.monotonic() + 0.01)
+    assert device_done(CUDA, time.monotonic() + 30.0)
+
+
+def test_an_offload_through_pinned_staging_moves_every_block_to_its_place():
+    from radixkv.model.host_kv import OFFLOAD_CHUNK_BLOCKS, HostKVCache
+
+    device_cache = torch.randn((2, 3, 100, 4, 2, 8), device=CUDA, dtype=torch.bfloat16)
+    host = HostKVCache(90, device_cache)
+    count = 2 * OFFLOAD_CHUNK_BLOCKS + 5
+    src = random.Random(0).sample(range(100), count)
+    dst = random.Random(1).sample(range(90), count)
+    host.offload(device_cache, src, dst)
+    assert host.tensor.is_pinned() and host._staging.is_pinned()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(host.tensor[:, :, d], device_cache[:, :, s].cpu())

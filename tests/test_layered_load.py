@@ -218,3 +218,17 @@ def test_a_decode_step_that_replays_a_graph_finishes_its_loads_first(model_folde
     assert [o.token_ids for o in tight.generate(batch, params)] == expected
     assert tight.runner.graphs.replays > 0 and tight.runner.num_early_loads > 0
     assert tight.metrics()["num_swapped_in_blocks"] > 0
+
+
+def test_an_offload_larger_than_its_staging_moves_every_block_to_its_place():
+    from radixkv.model.host_kv import OFFLOAD_CHUNK_BLOCKS, HostKVCache
+
+    generator = torch.Generator().manual_seed(0)
+    device_cache = torch.randn((2, 3, 100, 4, 2, 8), generator=generator)
+    host = HostKVCache(90, device_cache)
+    count = 2 * OFFLOAD_CHUNK_BLOCKS + 5
+    src = random.Random(0).sample(range(100), count)
+    dst = random.Random(1).sample(range(90), count)
+    host.offload(device_cache, src, dst)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(host.tensor[:, :, d], device_cache[:, :, s])

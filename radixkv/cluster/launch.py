@@ -2,7 +2,8 @@
 
 Without `--ray-address` a local Ray instance is started (and stopped on exit); with one, the
 replicas join that cluster. Each replica asks for one GPU when the cluster has one for every
-replica, else an equal share of the GPUs there are (replicas then share a device), else none.
+replica, else an equal share of the GPUs there are (replicas then share a device, and each sizes
+its KV cache from its share: `EngineConfig.gpu_memory_share`), else none.
 The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy;
 every replica closes chat sessions after `--session-idle-timeout`, and the router sends
 `DELETE /v1/sessions/{id}` to all of them.
@@ -12,6 +13,7 @@ SIGTERM or Ctrl-C shuts the application down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import threading
@@ -45,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False)
     gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
+    if 0 < gpus < 1:  # replicas share a device: each sizes its KV cache from its own part
+        config = dataclasses.replace(config, gpu_memory_share=gpus)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_application(
         config,

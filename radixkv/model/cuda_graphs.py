@@ -5,9 +5,13 @@ rivals the work. A graph records the whole forward once and replays it with one 
 replays fixed addresses and shapes, so each bucket (1, 2, 4, 8, then multiples of 16 up to
 `max_num_seqs`) reads its inputs from static buffers that a step fills: its sequences in the
 first rows, the padding rows after them with slot -1 (store_kv writes nothing) and length 1 (their
-attention reads one valid slot; their logits are dropped). The block table is as wide as
-`max_model_len` allows, so one graph serves every context length, and the attention launches are
-planned inside the capture (the GPU plan needs no host sync).
+attention reads one valid slot; their logits are dropped). The attention launches are planned
+inside the capture (the GPU plan needs no host sync) from the block table's width, so a graph's
+width fixes how many ranges its decode splits each sequence's keys into. One width as wide as
+`max_model_len` allows would give every step the most splits, which short contexts pay for in
+programs with nothing to read and a combining pass. So each bucket is captured at the widths where
+the plan changes (`context_widths`, `graph_routes`), and a step replays the narrowest graph that
+covers its block table.
 
 Guarded: graphs only on CUDA, only for steps where every sequence has one new token and gets
 logits, and a capture that fails (a model that syncs during its forward) warns once and leaves
@@ -17,10 +21,12 @@ the runner eager for good. Nothing here runs on a CPU: these paths are checked b
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from radixkv.kernels.launch_plan import GPU_MAX_SPLITS, GPU_MIN_KEYS_PER_SPLIT, plan_attention_gpu
 from radixkv.model.attention_backend import PagedBatch
 from radixkv.model.persistent_batch import HostBatch
 
@@ -35,6 +41,38 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
+def context_widths(max_width: int, block_size: int) -> list[int]:
+    """Block-table widths (blocks) a bucket may be captured at, ascending, the widest last: just
+    under each key capacity at which the GPU plan may double its splits (2 x 512 x 2^k keys), up
+    to the most splits, then `max_width`."""
+    widths = []
+    splits = 1
+    while splits < GPU_MAX_SPLITS:
+        width = (2 * splits * GPU_MIN_KEYS_PER_SPLIT - 1) // block_size
+        if width >= max_width:
+            break
+        if width > 0:
+            widths.append(width)
+        splits *= 2
+    return [*widths, max_width]
+
+
+def graph_routes(
+    buckets: list[int], widths: list[int], plan_of: Callable[[int, int], object]
+) -> dict[tuple[int, int], tuple[int, int]]:
+    """For every (bucket, width), the (bucket, width) of the graph that runs it: the widest width
+    of that bucket with the same plan (`plan_of(bucket, width)`), so that a graph is captured only
+    where the plan differs. A narrower width's graph serves any table up to its width."""
+    routes = {}
+    for bucket in buckets:
+        widest = widths[-1]
+        for width in reversed(widths):
+            if plan_of(bucket, width) != plan_of(bucket, widest):
+                widest = width
+            routes[(bucket, width)] = (bucket, widest)
+    return routes
+
+
 class DecodeGraphs:
     """Captured decode forwards of one runner, by bucket, all captured at start (`capture_all`)."""
 
@@ -43,6 +81,8 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         device = runner.device
         width = -(-runner.loaded.max_model_len // runner.block_size)
+        self.widths = context_widths(width, runner.block_size)
+        self.routes = graph_routes(self.buckets, self.widths, self._plan)
         ints = {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros((1, max_num_seqs), **ints)
         self.position_ids = torch.zeros((1, max_num_seqs), **ints)
@@ -51,7 +91,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one token per sequence, always
         self.logit_rows = torch.arange(max_num_seqs, **ints)
         self.block_table = torch.zeros((max_num_seqs, width), **ints)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: object | None = None
         self.failed = False
 
@@ -69,6 +109,7 @@ class DecodeGraphs:
         """Float32 logits `[S, vocab]` of the step (one that `fits`) by graph replay."""
         num_seqs, width = step.block_table.shape
         bucket = next(b for b in self.buckets if b >= num_seqs)
+        covering = next(w for w in self.widths if w >= width)
         self.input_ids[:, :num_seqs].copy_(step.input_ids)
         self.position_ids[:, :num_seqs].copy_(step.position_ids)
         self.slot_mapping[:num_seqs].copy_(step.slot_mapping)
@@ -76,11 +117,19 @@ class DecodeGraphs:
         self.seq_lens[:num_seqs].copy_(step.seq_lens)
         self.seq_lens[num_seqs:bucket].fill_(1)
         self.block_table[:num_seqs, :width].copy_(step.block_table)
-        graph, logits = self._graphs[bucket]
+        graph, logits = self._graphs[self.routes[(bucket, covering)]]
         graph.replay()
         return logits[:num_seqs].clone()  # the graph overwrites its output at the next replay
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _plan(self, size: int, width: int) -> object:
+        """The attention plan a decode of `size` sequences over a table `width` blocks wide gets."""
+        runner = self.runner
+        return plan_attention_gpu(
+            runner.device, size, size, runner.num_kv_heads, runner.num_heads // runner.num_kv_heads,
+            runner.head_dim, width * runner.block_size,
+        )
+
+    def _forward(self, size: int, width: int) -> torch.Tensor:
         batch = HostBatch(
             input_ids=self.input_ids[:, :size],
             position_ids=self.position_ids[:, :size],
@@ -88,7 +137,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
-            block_table=self.block_table[:size],
+            block_table=self.block_table[:size, :width],
         )
         paged: PagedBatch = self.runner.paged_batch(batch)
         output = self.runner.model(
@@ -109,28 +158,29 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.block_table.zero_()
-        for size in reversed(self.buckets):
-            if not self._capture(size):
+        for size, width in sorted(set(self.routes.values()), reverse=True):
+            if not self._capture(size, width):
                 return
 
-    def _capture(self, size: int) -> bool:
+    def _capture(self, size: int, width: int) -> bool:
         """Warm up on a side stream (Triton compiles there), then capture into the shared pool."""
         try:
             side = torch.cuda.Stream(self.runner.device)
             side.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(side):
-                self._forward(size)
+                self._forward(size, width)
             torch.cuda.current_stream(self.runner.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(size)
+                logits = self._forward(size, width)
         except RuntimeError as error:
-            message = f"CUDA graph capture failed (batch {size}); decoding eagerly: {error}"
+            where = f"batch {size}, {width} blocks wide"
+            message = f"CUDA graph capture failed ({where}); decoding eagerly: {error}"
             warnings.warn(message, stacklevel=2)
             self.failed = True
             self._graphs.clear()  # never replayed now: give their memory back
             self._pool = None
             return False
         self._pool = graph.pool()
-        self._graphs[size] = (graph, logits)
+        self._graphs[(size, width)] = (graph, logits)
         return True

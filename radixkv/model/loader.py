@@ -28,7 +28,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from radixkv.model.presets import PRESETS
+from radixkv.model.presets import PRESETS, REAL_SHAPE_PRESETS
 from radixkv.model.tokenizer import build_byte_tokenizer
 
 SUPPORTED_ARCHITECTURES: dict[str, type[PreTrainedModel]] = {
@@ -116,9 +116,12 @@ def load_model(
     if name in PRESETS:
         tokenizer = load_tokenizer(name)
         config = PRESETS[name]()
+        on_device = name in REAL_SHAPE_PRESETS
+        if on_device and torch.device(device).type != "cuda":
+            raise ModelLoadError(f"{name} is a real size, for benchmarks on a CUDA device, not {device}")
         return build_random_model(
             config, dtype=auto_dtype(dtype, config, device), device=device, seed=seed, tokenizer=tokenizer,
-            name=name,
+            name=name, on_device=on_device,
         )
     folder = Path(name_or_path)
     if not folder.is_dir():
@@ -160,22 +163,31 @@ def build_random_model(
     seed: int = 0,
     tokenizer: PreTrainedTokenizerBase | None = None,
     name: str | None = None,
+    on_device: bool = False,
 ) -> LoadedModel:
     """A model of `config.architectures[0]` with weights drawn from `seed`, the same on every machine.
 
     Weights are drawn in float32 on the CPU and then cast and moved, under a forked RNG so the
     caller's random state is untouched. Biases, which transformers initializes to zero, are drawn
-    like the weights so that Qwen2's q/k/v bias takes part in every comparison.
+    like the weights so that Qwen2's q/k/v bias takes part in every comparison. `on_device` draws
+    them on `device` in `dtype` instead: fast and host-memory free for real sizes, but the values
+    then depend on the device's generator.
     """
     model_class = _model_class(config.to_dict(), "the config")
     _check_config(config, "the config")
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    torch_dtype = _resolve_dtype(dtype)
+    with torch.random.fork_rng(devices=[device] if on_device and device.type == "cuda" else []):
         torch.manual_seed(seed)
-        model = model_class(config)
+        if on_device:
+            with torch.device(device):
+                model = model_class._from_config(config, dtype=torch_dtype)
+        else:
+            model = model_class(config)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 torch.nn.init.normal_(module.bias, std=config.initializer_range)
-    model.to(_resolve_dtype(dtype))
+    model.to(torch_dtype)
     return _finish(model, tokenizer, name or f"random-{model_class.__name__}-seed{seed}", device)
 
 

@@ -159,11 +159,16 @@ class ParallelRunner:
         self._send(pickle.dumps(Step(self._transfers, plain)))
         self._transfers = []
         try:
+            deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
             try:
                 logits, error = local.forward(chunks), None
+                if not device_done(self.device, deadline):
+                    self._fail(f"rank 0's step did not finish within {COLLECTIVE_TIMEOUT.seconds} s")
+            except TensorParallelError:
+                raise
             except Exception as raised:
                 logits, error = None, raised
-            wait_s = ERROR_GRACE_S if error else COLLECTIVE_TIMEOUT.total_seconds()
+            wait_s = ERROR_GRACE_S if error else max(0.0, deadline - time.monotonic())
             answers = self._collect("run a step", wait_s)
         except BaseException:
             if self._dead is None:  # interrupted (KeyboardInterrupt) mid-step: the ranks are out of step
@@ -279,6 +284,22 @@ class ParallelRunner:
             with contextlib.suppress(RuntimeError):
                 self._group.abort()
         self._finalizer()
+
+
+def device_done(device: torch.device, deadline: float, poll_s: float = 0.001) -> bool:
+    """Waits until the work queued so far on `device`'s current stream has run; False if it has
+    not by `deadline` (`time.monotonic()`). A host-only device is always done. On CUDA the step's
+    kernels are queued, not run, when `forward` returns, and a stuck collective would otherwise
+    surface later, in a blocking read of the logits with no deadline."""
+    if device.type != "cuda":
+        return True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    while not event.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _death(worker: _Worker) -> str:

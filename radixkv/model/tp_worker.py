@@ -118,6 +118,10 @@ def _run(runner: ModelRunner | None, step: Step) -> str | None:
         for kind, src, dst in step.transfers:
             getattr(runner, kind)(src, dst)
         runner.forward(step.chunks)
+        if runner.device.type == "cuda":
+            # Answer when the step is done, not when it is queued: a collective that never
+            # completes must keep this answer from coming, so that rank 0's timeout sees it.
+            torch.cuda.synchronize(runner.device)
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None

@@ -78,18 +78,21 @@ class StubModel(torch.nn.Module):
 
     The logits are a fixed random tensor sliced to the step's rows (so greedy picks the same token
     for every row, which no case depends on); the time spent inside is recorded for the report,
-    by `clock`.
+    by `clock`. `busy_s` > 0 sleeps that long in each call, standing in for a device's time.
     """
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, busy_s: float = 0.0) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.logits = torch.randn((1, max_rows, vocab_size), generator=generator).to(device)
+        self.busy_s = busy_s
         self.seconds = 0.0
         self.clock: Callable[[], float] = time.perf_counter
 
     def forward(self, *, logits_to_keep: torch.Tensor, **_: Any) -> Any:
         start = self.clock()
+        if self.busy_s:
+            time.sleep(self.busy_s)  # a simulated device: busy, with the interpreter lock released
         out = _Output(self.logits[:, : logits_to_keep.shape[0]])
         self.seconds += self.clock() - start
         return out
@@ -145,7 +148,7 @@ def _prompts(
     return prompts
 
 
-def _config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> EngineConfig:
+def stub_config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> EngineConfig:
     """tiny-llama with room for `num_blocks` blocks of 16 tokens in bfloat16 (half float32's memory;
     the stub never reads the cache)."""
     model = PRESETS["tiny-llama"]()
@@ -165,7 +168,7 @@ def _blocks_per_seq(context: int, steps: int) -> int:
 
 
 def _decode_256(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64), 256)
+    engine, stub = stub_engine(stub_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64), 256)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 256, 2047):
         engine.add_request(prompt, params)
@@ -174,7 +177,7 @@ def _decode_256(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
 
 
 def _mixed_prefill(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(_config(140, 2048, 128 * _blocks_per_seq(1100, steps) + 10 * 520), 2048)
+    engine, stub = stub_engine(stub_config(140, 2048, 128 * _blocks_per_seq(1100, steps) + 10 * 520), 2048)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 128, 1000):
         engine.add_request(prompt, params)
@@ -187,7 +190,7 @@ def _mixed_prefill(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
 
 def _waiting(num_waiting: int) -> Callable[[random.Random, int], tuple[Engine, StubModel]]:
     def setup(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
-        engine, stub = stub_engine(_config(64, 64 * 2048, 64 * _blocks_per_seq(2048, steps) + 64), 64)
+        engine, stub = stub_engine(stub_config(64, 64 * 2048, 64 * _blocks_per_seq(2048, steps) + 64), 64)
         params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
         shared = _prompts(rng, 8, 1024)
         for prompt in _prompts(rng, 64, 2047, shared):

@@ -10,7 +10,7 @@ On a machine without a GPU both run on the CPU, Triton through its interpreter.
 On a GPU it also measures decode bandwidth: 64 sequences of 4,096 tokens, head size 128, bfloat16,
 32 query heads over 8 KV heads (Llama-3-8B's attention), block size 16, one new token each. Decode
 reads every cached K and V once, so bytes read / kernel time is its bandwidth, reported against the
-device's peak (memory clock x bus width x 2, from the device properties).
+device's peak (`radixkv.tools.device_peaks.peak_bandwidth`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from radixkv.kernels.launch_plan import INTERPRETED
 from radixkv.kernels.paged_attention import paged_attention, plan_paged_attention
 from radixkv.kernels.reference import paged_attention_ref
+from radixkv.tools.device_peaks import peak_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 MAX_ABS_ERR = 1e-4
@@ -128,8 +129,8 @@ def _run_case(case: Case, device: torch.device, repeats: int) -> CaseResult:
         torch.full((case.num_seqs,), case.seq_len, dtype=torch.int32, device=device),
         torch.arange(0, case.num_seqs + 1, dtype=torch.int32, device=device) * case.new_tokens,
     )
-    kernel_out, kernel_ms = _median_ms(lambda: paged_attention(*inputs), repeats, device)
-    reference_out, reference_ms = _median_ms(lambda: paged_attention_ref(*inputs), repeats, device)
+    kernel_out, kernel_ms = median_ms(lambda: paged_attention(*inputs), repeats, device)
+    reference_out, reference_ms = median_ms(lambda: paged_attention_ref(*inputs), repeats, device)
     return CaseResult(
         case.name, case.num_seqs, case.new_tokens, case.seq_len, kernel_ms, reference_ms,
         kernel_ms / reference_ms, (kernel_out - reference_out).abs().max().item(),
@@ -173,8 +174,7 @@ def _decode_bandwidth(device: torch.device, repeats: int) -> BandwidthResult:
     ms = start.elapsed_time(end) / calls
     error = (out.float() - paged_attention_ref(*inputs).float()).abs().max().item()
     read = 2 * k_cache.numel() * k_cache.element_size()
-    props = torch.cuda.get_device_properties(device)
-    peak = 2 * props.memory_bus_width / 8 * props.memory_clock_rate * 1e3
+    peak = peak_bandwidth(device)
     gb_per_s = read / (ms * 1e-3) / 1e9
     fraction = gb_per_s * 1e9 / peak
     return BandwidthResult(
@@ -182,7 +182,7 @@ def _decode_bandwidth(device: torch.device, repeats: int) -> BandwidthResult:
     )
 
 
-def _median_ms(
+def median_ms(
     fn: Callable[[], torch.Tensor], repeats: int, device: torch.device
 ) -> tuple[torch.Tensor, float]:
     """The warm-up call's result and the median wall milliseconds of `repeats` more calls.

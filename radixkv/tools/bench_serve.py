@@ -1,0 +1,249 @@
+"""`radixkv bench serve`: what the HTTP front end costs the engine's step, N streams at a time.
+
+The server runs in a process of its own, as `radixkv serve` does, with the model's forward
+replaced by a stub that keeps a simulated device busy for `--device-ms` (a sleep, which releases
+the interpreter lock as a GPU's queued work does) and returns fixed logits. So a step costs the
+device time plus the engine's host work, and whatever the front end does in the same process
+(parsing, detokenizing, stop strings, JSON, SSE framing) competes with the step for the lock.
+
+For each N (`--streams`, default 16, 32, 128, 256), in a fresh server:
+- `idle_period_ms`: the median period between decode steps of N sequences submitted straight to
+  the engine, before the HTTP server starts: the step with no front end attached;
+- `period_ms`: the same with N streaming clients over HTTP (`/v1/completions`, `stream: true`,
+  token-id prompts, `ignore_eos`), measured while all N decode (after the last first token, before
+  the first finish); `period_ratio` = period / idle period;
+- `delivered_tok_s`: tokens the clients received per second over the same window, and what an
+  unhindered step would deliver (N / idle period);
+- `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile.
+The clients run in this process, the server in a child: the clients' own work never takes the
+server's lock. Step times come from the child (`time.monotonic`, shared by both processes on
+Linux), written to a file when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_STREAMS = (16, 32, 128, 256)
+PROMPT_TOKENS = 64
+HEALTH_EVERY_S = 0.02
+STUB_TOKEN = ord("A")
+"""The token the stub always produces: the byte tokenizer's "A", one character of text."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--streams", type=int, action="append",
+        help=f"concurrent streams (repeatable; default {', '.join(map(str, DEFAULT_STREAMS))})",
+    )
+    parser.add_argument("--device-ms", type=float, default=2.0, help="the stub device's busy time per step")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each stream generates")
+    parser.add_argument("--json", action="store_true", help="print only a JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    streams = args.streams or list(DEFAULT_STREAMS)
+    if min(streams) < 1 or args.tokens < 8 or args.device_ms < 0:
+        raise ValueError("--streams must be >= 1, --tokens >= 8 and --device-ms >= 0")
+    cases = []
+    for n in streams:
+        case = measure(n, args.tokens, args.device_ms)
+        cases.append(case)
+        if not args.json:
+            print(format_case(case), flush=True)
+    if args.json:
+        print(json.dumps({"device_ms": args.device_ms, "tokens": args.tokens, "cases": cases}, indent=2))
+    return 0
+
+
+def measure(streams: int, tokens: int, device_ms: float) -> dict[str, Any]:
+    """One case in a fresh server child (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as folder:
+        stats_path = Path(folder) / "steps.json"
+        port = _free_port()
+        child = subprocess.Popen(
+            [sys.executable, "-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
+             str(port), str(streams), str(tokens), str(device_ms), str(stats_path)],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            clients = asyncio.run(_clients(port, streams, tokens, child))
+        finally:
+            child.send_signal(signal.SIGTERM)
+            child.wait(timeout=60)
+        stats = json.loads(stats_path.read_text())
+    start, end = clients["decode_window"]
+    steps = [t for t in stats["steps"] if start <= t <= end]
+    period = _median_interval(steps)
+    idle = stats["idle_period_s"]
+    return {
+        "streams": streams,
+        "idle_period_ms": idle * 1e3,
+        "period_ms": period * 1e3 if period else None,
+        "period_ratio": period / idle if period and idle else None,
+        "delivered_tok_s": clients["delivered_tok_s"],
+        "unhindered_tok_s": streams / idle if idle else None,
+        "health_p99_ms": clients["health_p99_s"] * 1e3,
+        "steps_in_window": len(steps),
+    }
+
+
+def format_case(case: dict[str, Any]) -> str:
+    period = "n/a"
+    if case["period_ms"] is not None:
+        period = f"{case['period_ms']:.2f} ms ({case['period_ratio']:.2f}x)"
+    return (
+        f"{case['streams']:>4} streams: step {case['idle_period_ms']:.2f} ms idle, {period} streaming; "
+        f"{case['delivered_tok_s']:,.0f} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
+        f"/health p99 {case['health_p99_ms']:.1f} ms"
+    )
+
+
+# ------------------------------------------------------------------------------ the clients
+
+
+async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen) -> dict[str, Any]:
+    import httpx
+
+    base = f"http://127.0.0.1:{port}"
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(base_url=base, timeout=120.0, limits=limits) as http:
+        await _wait_healthy(http, child)
+        done = asyncio.Event()
+        health = asyncio.create_task(_probe_health(http, done))
+        results = await asyncio.gather(*(_stream(http, i, tokens) for i in range(streams)))
+        done.set()
+        latencies = await health
+    first_tokens = [r[0] for r in results]
+    finishes = [r[1] for r in results]
+    counts = [r[2] for r in results]
+    window = (max(first_tokens), min(finishes))
+    received = sum(_count_between(r[3], *window) for r in results)
+    seconds = window[1] - window[0]
+    if sum(counts) != streams * tokens:
+        raise RuntimeError(f"the clients received {sum(counts)} tokens, expected {streams * tokens}")
+    return {
+        "decode_window": window,
+        "delivered_tok_s": received / seconds if seconds > 0 else 0.0,
+        "health_p99_s": _percentile(latencies, 99),
+    }
+
+
+async def _wait_healthy(http: Any, child: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"the stub server exited with {child.returncode} before it answered")
+        try:
+            if (await http.get("/health")).status_code == 200:
+                return
+        except Exception:  # not listening yet
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the stub server did not answer /health within {timeout_s:.0f} s")
+
+
+async def _stream(http: Any, index: int, tokens: int) -> tuple[float, float, int, list[float]]:
+    """One streaming completion: (first token time, finish time, tokens, each token's time). Every
+    token is the stub's `STUB_TOKEN`, one character, so a chunk's text length is its tokens."""
+    prompt = [(index * 7 + j) % 256 for j in range(PROMPT_TOKENS)]
+    body = {"model": "stub", "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    times: list[float] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[len("data: ") :])["choices"]
+                now = time.monotonic()
+                times += [now] * sum(len(c["text"]) for c in choices)
+    if not times:
+        raise RuntimeError(f"stream {index} received no token")
+    return times[0], times[-1], len(times), times
+
+
+async def _probe_health(http: Any, done: asyncio.Event) -> list[float]:
+    latencies = []
+    while not done.is_set():
+        start = time.monotonic()
+        (await http.get("/health")).raise_for_status()
+        latencies.append(time.monotonic() - start)
+        await asyncio.sleep(HEALTH_EVERY_S)
+    return latencies
+
+
+# ------------------------------------------------------------------------------- the server
+
+
+def stub_server() -> None:
+    """The child's body: argv is port, streams, tokens, device ms, the stats file's path."""
+    port, streams, tokens = (int(a) for a in sys.argv[1:4])
+    device_s, stats_path = float(sys.argv[4]) / 1e3, Path(sys.argv[5])
+    import uvicorn
+
+    from radixkv.async_engine import AsyncEngine
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.app import build_app
+    from radixkv.tools.bench_engine import StubModel, stub_config
+
+    context = PROMPT_TOKENS + tokens
+    engine = AsyncEngine(stub_config(streams, streams * PROMPT_TOKENS, streams * (-(-context // 16) + 1) * 2))
+    runner = engine.core.runner
+    runner.model = stub = StubModel(engine.vocab_size, streams * PROMPT_TOKENS, runner.device, device_s)
+    stub.logits[..., STUB_TOKEN] += 1e3  # every row greedily picks it
+    steps: list[float] = []
+    engine.core.step_hooks.append(lambda _core: steps.append(time.monotonic()))
+
+    async def idle_run() -> None:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        prompts = [[(i * 7 + j) % 256 for j in range(PROMPT_TOKENS)] for i in range(streams)]
+        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    asyncio.run(idle_run())
+    idle = _median_interval(steps[2:])  # after the prefill step: decode steps only
+    steps.clear()
+    app = build_app(engine, "stub", session_idle_timeout_s=None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    stats_path.write_text(json.dumps({"idle_period_s": idle, "steps": steps}))
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _median_interval(times: list[float]) -> float | None:
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return statistics.median(gaps) if gaps else None
+
+
+def _count_between(times: list[float], start: float, end: float) -> int:
+    return sum(1 for t in times if start < t <= end)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,21 @@
+"""`radixkv bench serve` end to end at a tiny size: a stub server in a child process, streaming
+clients here, and a report whose figures hang together."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.tools.bench_serve import measure
+
+
+@pytest.mark.slow
+def test_a_tiny_run_reports_step_periods_tokens_and_health_latency():
+    case = measure(streams=3, tokens=24, device_ms=5.0)
+    assert case["streams"] == 3 and case["steps_in_window"] >= 2
+    # Every step sleeps 5 ms in the stub: no period can be shorter.
+    assert case["idle_period_ms"] >= 5.0 and case["period_ms"] >= 5.0
+    assert case["period_ratio"] == pytest.approx(case["period_ms"] / case["idle_period_ms"])
+    assert 0 < case["delivered_tok_s"] and case["unhindered_tok_s"] == pytest.approx(
+        3 / (case["idle_period_ms"] / 1e3)
+    )
+    assert case["health_p99_ms"] > 0
