@@ -256,7 +256,8 @@ class EngineCore:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
                     logits = self.runner.forward(batch)  # a ScheduledSeq is the runner's SequenceChunk
-                    touched = self.scheduler.postprocess(batch, logits)
+                    touched, failed = self.scheduler.postprocess(batch, logits)
+                    ended += self._fail_each(failed)
             except Exception as exc:  # contained: the batch's requests get it
                 ended += self._fail(self._step_requests(batch), exc)
             except BaseException as exc:
@@ -385,6 +386,7 @@ class EngineCore:
             "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
             "running": len(self.scheduler.running),
+            "running_seqs": self.scheduler.num_running_seqs,
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
             "time_to_first_token_seconds": self.ttft.as_dict(),
             "inter_token_latency_seconds": self.itl.as_dict(),
@@ -439,16 +441,22 @@ class EngineCore:
         return list(self.scheduler.running) + holding
 
     def _fail(self, requests: list[Request], cause: BaseException) -> list[Request]:
-        """Ends `requests` with a RequestError chained to `cause`, releasing all they hold
-        uncached. Requests the step already finished cleanly keep their results."""
+        """Ends a failed step's `requests` with a RequestError chained to `cause`, releasing all
+        they hold uncached and dropping the step's pending copies. Requests the step already
+        finished cleanly keep their results."""
         self.kv.drop_copies()
-        for request in requests:
+        return self._fail_each([(request, cause) for request in requests])
+
+    def _fail_each(self, failures: list[tuple[Request, BaseException]]) -> list[Request]:
+        """Ends each request with a RequestError chained to its own cause, releasing all it holds
+        uncached; the rest of the step stands."""
+        for request, cause in failures:
             if request.status is Status.FINISHED:
                 continue
             self.scheduler.remove(request)
             request.error = RequestError(request.request_id, cause)
             self._end(request)
-        return requests
+        return [request for request, _ in failures]
 
     def _end(self, request: Request) -> None:
         request.seqs = []

@@ -50,6 +50,7 @@ _HELP = {
     "num_swapped_out_blocks": ("counter", "blocks of preempted requests swapped out to the host tier"),
     "num_swapped_in_blocks": ("counter", "blocks of preempted requests swapped back in"),
     "running": ("gauge", "requests running"),
+    "running_seqs": ("gauge", "sequences running (a request's samples or beams each count)"),
     "waiting": ("gauge", "requests waiting"),
     "time_to_first_token_seconds": ("histogram", "time from submission to the first generated token"),
     "inter_token_latency_seconds": ("histogram", "time between two generated tokens of a request"),

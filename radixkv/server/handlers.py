@@ -68,8 +68,8 @@ async def create(
             params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
-    count = len(prompts) * (body.n if body.stream else 1)
-    state.admit(count, body.session_id)
+    count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
+    state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
     if body.stream:
         events = _events(state, streams, fmt, body.include_usage, chat)
 

@@ -16,10 +16,12 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServerState:
-    """`max_waiting`: engine requests the server lets wait for a slot before it answers 503.
-    Waiting is counted as the engine requests this server has in flight minus those the engine
-    runs; the count rises when a request is admitted, in the event loop, so a burst cannot slip
-    past it between two engine steps. `sessions` tracks the requests carrying a `session_id`."""
+    """`max_waiting`: sequences (each prompt's samples or beams) the server lets wait for a slot
+    before it answers 503. Waiting is counted as the sequences this server has in flight minus
+    those the engine runs; the count rises when a request is admitted, in the event loop, so a
+    burst cannot slip past it between two engine steps, and a request counts all its sequences,
+    so one request with many prompts cannot either. `sessions` tracks the requests carrying a
+    `session_id`."""
 
     engine: Any
     model_name: str
@@ -50,12 +52,19 @@ class ServerState:
             )
 
     def waiting(self) -> int:
-        return max(0, self.in_flight - self.engine.metrics()["running"])
+        return max(0, self.in_flight - self.engine.metrics()["running_seqs"])
 
-    def admit(self, engine_requests: int, session_id: str | None = None) -> None:
-        """Counts the request in (and into its session, if any), or answers 503 with Retry-After
-        when `max_waiting` already wait. Every admission is paired with one `release`."""
-        if self.max_waiting is not None and self.waiting() >= self.max_waiting:
+    def admit(self, sequences: int, session_id: str | None = None, param: str = "n") -> None:
+        """Counts the request's sequences in (and the request into its session, if any), or
+        answers 503 with Retry-After when they would make more than `max_waiting` wait (400 when
+        they alone are more, since no retry could succeed: `param` names the field to blame).
+        Every admission is paired with one `release`."""
+        if self.max_waiting is not None and sequences > self.max_waiting:
+            raise APIError.bad_request(
+                param, f"the request has {sequences} sequences (prompts x n), more than the "
+                f"{self.max_waiting} this server lets wait"
+            )
+        if self.max_waiting is not None and self.waiting() + sequences > self.max_waiting:
             raise APIError(
                 503,
                 f"the server is full: {self.max_waiting} requests already wait; retry shortly",
@@ -63,13 +72,13 @@ class ServerState:
                 code="overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        self.in_flight += engine_requests
+        self.in_flight += sequences
         if self.sessions is not None:
             self.sessions.expire()  # here too, for an app run without its lifespan (a replica)
             if session_id is not None:
                 self.sessions.begin(session_id)
 
-    def release(self, engine_requests: int, session_id: str | None = None) -> None:
-        self.in_flight -= engine_requests
+    def release(self, sequences: int, session_id: str | None = None) -> None:
+        self.in_flight -= sequences
         if session_id is not None and self.sessions is not None:
             self.sessions.end(session_id)
