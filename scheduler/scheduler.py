@@ -83,7 +83,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         cache = kv.cache
-        self.waiting = WaitingQueue(policy, cache.cached_prefix_len if cache is not None else None)
+        self.waiting = WaitingQueue(policy, kv.cached_prefix_len if cache is not None else None)
         self.running: list[Request] = []
         self.beams: dict[str, BeamSearch] = {}
         self.num_preemptions = 0
@@ -167,7 +167,9 @@ class Scheduler:
                 continue
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
-                seq.table = self.kv.admit(seq.tokens, request.request_id, request.session_id)
+                seq.table = self.kv.admit(
+                    seq.tokens, request.request_id, request.session_id, request.cache_salt
+                )
             cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
@@ -211,13 +213,13 @@ class Scheduler:
         prompt = request.prompt_ids
         cached = None
         for other in self.running:
-            if other.prompt_done:
+            if other.prompt_done or other.cache_salt != request.cache_salt:
                 continue
             shared = common_prefix_len(prompt, other.prompt_ids)
             if shared < self.kv.block_size:
                 continue
             if cached is None:
-                cached = self.kv.cache.cached_prefix_len(prompt)
+                cached = self.kv.cached_prefix_len(prompt, request.cache_salt)
             if shared - cached >= self.kv.block_size:
                 return True
         return False

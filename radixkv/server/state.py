@@ -31,6 +31,15 @@ class ServerState:
     sessions: SessionTracker | None = None
     in_flight: int = 0
     created: int = 0  # when the model was loaded, for /v1/models
+    max_prompt_chars: int | None = None  # longer text cannot fit max_model_len (`prompt_char_limit`)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """A 400 naming `param` for prompt text too long to fit the model whatever its tokens."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise APIError.bad_request(
+                param, f"{param} has {chars} characters: more than {self.engine.max_model_len} tokens "
+                f"(max_model_len) can spell, so it cannot fit"
+            )
 
     def authorize(self, header: str | None) -> None:
         """401 unless `Authorization: Bearer <key>` matches (when the server has a key)."""
@@ -82,3 +91,13 @@ class ServerState:
         self.in_flight -= sequences
         if session_id is not None and self.sessions is not None:
             self.sessions.end(session_id)
+
+
+def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
+    """Characters beyond which text needs more than `max_model_len` tokens: no token spells more
+    characters than its vocabulary string has (byte-level and SentencePiece vocabularies write
+    each character as at least one symbol), so `max_model_len` times the longest is a bound
+    checked before tokenizing. None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return max_model_len * max(len(token) for token in tokenizer.get_vocab())
