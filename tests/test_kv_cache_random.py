@@ -1,9 +1,10 @@
 """Seeded random runs of the whole cache core against a naive model of sequences.
 
 The naive model is a plain list of cached token sequences, each with its cache salt: a query's
-longest cached prefix is its longest common prefix with any of them of the same salt. Besides, every block carries fake KV (the token
-written at each slot), so a write into a shared block, a copy that went missing or a block
-handed to two owners shows up as a sequence that no longer reads back its own tokens.
+longest cached prefix is its longest common prefix with any of them of the same salt. Besides,
+every block carries fake KV (the token written at each slot), so a write into a shared block, a
+copy that went missing or a block handed to two owners shows up as a sequence that no longer
+reads back its own tokens.
 """
 
 import random
