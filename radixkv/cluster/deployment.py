@@ -49,7 +49,7 @@ class EngineReplica:
         self,
         config: EngineConfig,
         model_name: str,
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         max_waiting: int | None,
         session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
     ):
@@ -138,7 +138,7 @@ def build_application(
     replicas: int,
     policy: str,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | tuple[str, ...] | None = None,
     max_waiting: int | None = None,
     gpus_per_replica: float = 0,
     session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,

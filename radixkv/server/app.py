@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,7 +40,7 @@ from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.request_ids import RequestIds, request_id
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
-from radixkv.server.state import ServerState, prompt_char_limit
+from radixkv.server.state import CACHE_ISOLATION, ServerState, api_keys, prompt_char_limit
 
 log = logging.getLogger("radixkv.server")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -50,24 +50,28 @@ def build_app(
     engine: Any,
     model_name: str,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_waiting: int | None = None,
     session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cache_isolation: str = "shared",
 ) -> FastAPI:
     """The application serving `engine` (an `AsyncEngine`) as `model_name`; it shuts the engine
-    down when it stops. Chat sessions idle for `session_idle_timeout_s` are closed (0 or None:
-    only by `DELETE /v1/sessions/{id}`). A non-ASCII `api_key` is a ValueError: no HTTP header
-    could carry it, so it could never match."""
-    if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key):
-        raise ValueError("api_key must be printable ASCII: an HTTP header could never carry it")
+    down when it stops. `api_key`: one key or several; a key that is not printable ASCII is a
+    ValueError (no HTTP header could carry it, so it could never match). `cache_isolation`
+    "per-key" gives each key a cache namespace of its own. Chat sessions idle for
+    `session_idle_timeout_s` are closed (0 or None: only by `DELETE /v1/sessions/{id}`)."""
+    keys = api_keys(api_key)
+    if cache_isolation not in CACHE_ISOLATION:
+        raise ValueError(f"cache_isolation must be one of {CACHE_ISOLATION}, got {cache_isolation!r}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     replies = ReplyStore(engine.tokenizer) if engine.tokenizer is not None else None
     sessions = SessionTracker(engine.close_session, session_idle_timeout_s)
     state = ServerState(
-        engine, model_name, api_key, max_waiting, replies, sessions, created=int(time.time()),
+        engine, model_name, keys, max_waiting, replies, sessions, created=int(time.time()),
         max_prompt_chars=prompt_char_limit(engine.tokenizer, engine.max_model_len),
+        cache_isolation=cache_isolation,
     )
     render_metrics = exposition(engine.metrics)
 
@@ -112,13 +116,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await parse(request, CompletionRequest))
+        key = state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await parse(request, CompletionRequest), key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await parse(request, ChatCompletionRequest))
+        key = state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await parse(request, ChatCompletionRequest), key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

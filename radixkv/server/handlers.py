@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixkv.errors import EngineDeadError, RequestError
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
-from radixkv.server.generation import ChoiceStreams, Finished, run_beam_search, run_sampling
+from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
 from radixkv.server.params import beam_params, max_tokens, renames, sampling_params
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.request_ids import request_id as scope_request_id
@@ -37,8 +37,12 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaul
 
 
 async def create(
-    state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    key: str | None = None,
 ) -> Response:
+    """`key`: the API key the request came with (its cache namespace under per-key isolation)."""
     body.check_supported()
     state.check_model(body.model)
     chat = isinstance(body, ChatCompletionRequest)
@@ -60,6 +64,7 @@ async def create(
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
     tokens = max_tokens(body, default)
+    tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
     try:
         if body.stream:
             if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
@@ -71,7 +76,7 @@ async def create(
                 lambda i: sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
                 body.n,
                 request_id,
-                body.session_id,
+                tags,
             )
         else:
             params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
@@ -88,7 +93,7 @@ async def create(
 
         return _EventStream(events, end_stream)
     run = run_beam_search if body.use_beam_search else run_sampling
-    work = run(engine, prompts, params, request_id, body.session_id)
+    work = run(engine, prompts, params, request_id, tags)
     try:
         checked = _engine_errors(work, body, scope_request_id(request.scope))
         finished = await _unless_disconnected(request, checked)

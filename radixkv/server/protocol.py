@@ -12,8 +12,9 @@ server does.
 
 Extras beside OpenAI's fields, spelled as vLLM spells them: `top_k`, `ignore_eos`,
 `stop_token_ids`, `use_beam_search` (with `n` beams, `length_penalty`, `early_stopping`),
-`return_tokens_as_token_ids` (logprob tokens as "token_id:N"), and `session_id` (the request is
-a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`).
+`return_tokens_as_token_ids` (logprob tokens as "token_id:N"), `session_id` (the request is
+a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`), and
+`cache_salt` (the request shares cached blocks only with requests of the same salt).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class _Common(BaseModel):
     early_stopping: bool | Literal["never"] = False
     return_tokens_as_token_ids: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # see server.sessions
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # a cache namespace
 
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""

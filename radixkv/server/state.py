@@ -3,7 +3,9 @@ open chat sessions."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +14,18 @@ from radixkv.server.errors import APIError
 from radixkv.server.sessions import SessionTracker
 
 RETRY_AFTER_S = 1
+CACHE_ISOLATION = ("shared", "per-key")
+
+
+def api_keys(keys: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The keys a server accepts, checked: printable ASCII, since no HTTP header could carry
+    anything else (such a key could never match). Raises ValueError."""
+    keys = (keys,) if isinstance(keys, str) else tuple(keys or ())
+    for key in keys:
+        if not (isinstance(key, str) and key and key.isascii() and key.isprintable() and key.strip() == key):
+            raise ValueError("API keys must be printable ASCII without surrounding spaces: an HTTP header "
+                             "could never carry such a key, so it could never match")
+    return keys
 
 
 @dataclass
@@ -25,13 +39,14 @@ class ServerState:
 
     engine: Any
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     max_waiting: int | None = None
     replies: ReplyStore | None = None
     sessions: SessionTracker | None = None
     in_flight: int = 0
     created: int = 0  # when the model was loaded, for /v1/models
     max_prompt_chars: int | None = None  # longer text cannot fit max_model_len (`prompt_char_limit`)
+    cache_isolation: str = "shared"  # "per-key": each API key is a cache namespace of its own
 
     def check_text_length(self, chars: int, param: str) -> None:
         """A 400 naming `param` for prompt text too long to fit the model whatever its tokens."""
@@ -41,15 +56,30 @@ class ServerState:
                 f"(max_model_len) can spell, so it cannot fit"
             )
 
-    def authorize(self, header: str | None) -> None:
-        """401 unless `Authorization: Bearer <key>` matches (when the server has a key)."""
-        if self.api_key is None:
-            return
-        scheme, _, key = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+    def authorize(self, header: str | None) -> str | None:
+        """The key of `Authorization: Bearer <key>`, or a 401 unless it is one of the server's
+        (None when the server has no keys). Every key is compared, in constant time each."""
+        if not self.api_keys:
+            return None
+        scheme, _, given = (header or "").partition(" ")
+        given_bytes = given.strip().encode("latin-1", errors="replace")
+        matched = None
+        for key in self.api_keys:
+            if hmac.compare_digest(given_bytes, key.encode()):
+                matched = key
+        if scheme.lower() != "bearer" or matched is None:
             raise APIError(
                 401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
             )
+        return matched
+
+    def cache_salt(self, key: str | None, requested: str | None) -> str | None:
+        """The request's cache namespace: its own `cache_salt`, and under `per-key` isolation its
+        key's too (a digest, so the key itself is never held in the cache or its logs)."""
+        if self.cache_isolation != "per-key" or key is None:
+            return requested
+        tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()
+        return tenant if requested is None else f"{tenant}\x1f{requested}"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
