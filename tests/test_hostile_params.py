@@ -173,21 +173,38 @@ def test_a_beam_request_whose_scoring_raises_fails_alone(model_folders, alone, m
 # -------------------------------------------------------------------------------- over HTTP
 
 
-@pytest.fixture(scope="module")
-def server(model_folders):
-    """An in-process app over a small engine (`max_waiting` 4), its loop and an httpx client."""
+def _app(folder, **engine_kw):
+    """An in-process app over a small engine (`max_waiting` 4): its loop, httpx client, engine."""
     import httpx
 
     from radixkv.server.app import build_app
 
     loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+    engine = AsyncEngine(EngineConfig(model=str(folder), **{**KW, **engine_kw}))
     app = build_app(engine, "tiny", max_waiting=4, session_idle_timeout_s=0)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://radixkv")
-    yield loop, http
+    return loop, http, engine
+
+
+def _close(loop, http, engine) -> None:
     loop.run_until_complete(http.aclose())
     loop.run_until_complete(engine.shutdown())
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_folders):
+    loop, http, engine = _app(model_folders["llama"])
+    yield loop, http
+    _close(loop, http, engine)
+
+
+@pytest.fixture(scope="module")
+def short_server(model_folders):
+    """The same with `max_model_len` 12: any valid `max_tokens` ends within a few tokens."""
+    loop, http, engine = _app(model_folders["llama"], max_model_len=12)
+    yield loop, http
+    _close(loop, http, engine)
 
 
 def _post(server, body: dict) -> tuple[int, dict | str]:
@@ -242,3 +259,37 @@ def test_edge_values_that_are_valid_give_the_outputs_they_mean(server):
     assert _post(server, seeded)[1]["choices"] == _post(server, seeded)[1]["choices"]
     whole, huge = (_post(server, {**base, "seed": 5, "top_k": k})[1] for k in (-1, 2**63 - 1))
     assert _tokens(whole) == _tokens(huge)
+
+
+JSON_EDGES = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(BROKE_A_STEP + TINY_AND_HUGE + [1.0, 2.0, 0.5, True, False, None, "1", [], {}]),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+BODY_FIELDS = [
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "stop_token_ids",
+    "length_penalty", "best_of", "stream",
+]
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(field=st.sampled_from(BODY_FIELDS), value=JSON_EDGES, beams=st.booleans())
+def test_every_body_field_is_a_400_naming_it_or_a_valid_completion(short_server, field, value, beams):
+    server = short_server
+    body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 2, field: value}
+    if beams and field != "stream":
+        body.update(use_beam_search=True, n=body.get("n", 2) if field == "n" else 2)
+    status, reply = _post(server, body)
+    if status == 400:
+        assert reply["error"]["param"] in (field, "prompt"), (body, reply)  # "prompt": too many sequences
+        return
+    assert status == 200, (body, reply)
+    if body.get("stream") is True:
+        assert reply.endswith("data: [DONE]\n\n")
+        return
+    choices = reply["choices"]
+    assert choices and all(isinstance(c["text"], str) for c in choices)
+    assert reply["usage"]["completion_tokens"] <= len(choices) * max(body["max_tokens"], 1)
