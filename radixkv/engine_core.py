@@ -279,9 +279,14 @@ class EngineCore:
             return touched
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
-        requests. A single-rank engine holds nothing to release."""
-        if isinstance(self.runner, ParallelRunner):
+        """Releases everything the engine holds (idempotent): requests still going are aborted,
+        the KV cache's device and host memory and the CUDA graphs are freed, tensor-parallel
+        workers are stopped. Later requests fail in their first step."""
+        with self._lock:
+            for request_id in list(self._requests):
+                if self._requests[request_id].status is not Status.FINISHED:
+                    self._aborts.append(request_id)
+            self._notify(self._drain())
             self.runner.close()
 
     def __enter__(self) -> Any:

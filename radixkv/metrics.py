@@ -52,6 +52,7 @@ _HELP = {
     "running": ("gauge", "requests running"),
     "running_seqs": ("gauge", "sequences running (a request's samples or beams each count)"),
     "waiting": ("gauge", "requests waiting"),
+    "open_sessions": ("gauge", "chat sessions open on the server (the session_id extra)"),
     "time_to_first_token_seconds": ("histogram", "time from submission to the first generated token"),
     "inter_token_latency_seconds": ("histogram", "time between two generated tokens of a request"),
     "e2e_request_latency_seconds": ("histogram", "time from submission to the last generated token"),

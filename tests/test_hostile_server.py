@@ -324,3 +324,13 @@ def test_one_tokenizer_serves_many_threads_at_once(server):
     for t in threads:
         t.join(timeout=60)
     assert not errors and len(copies) == len(texts)
+
+
+def test_remembered_replies_are_kept_apart_by_cache_namespace():
+    from radixkv.model.tokenizer import build_byte_tokenizer
+    from radixkv.server.chat_prompt import ReplyStore
+
+    replies = ReplyStore(build_byte_tokenizer())
+    replies.add("the reply", list(b"the reply"), namespace="tenant-a")
+    assert replies.get("the reply", "tenant-a") == list(b"the reply")
+    assert replies.get("the reply", "tenant-b") is None and replies.get("the reply") is None

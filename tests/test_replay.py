@@ -1,4 +1,4 @@
-"""`radixkv replay` end to end on a tiny workload: the report's shape (CONTRACTS.md) and sense."""
+"""`radixkv replay` end to end on a tiny workload: the report's shape (docs/reference.md) and sense."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path,
     assert 0 < on["kv_utilization"] <= 1
 
 
+@pytest.mark.slow
 def test_replay_compares_a_squeezed_pool_with_and_without_a_host_tier(model_folders, workload, tmp_path):
     report_path = tmp_path / "report.json"
     args = replay_args(workload, model_folders, "--report", str(report_path))
@@ -143,6 +144,7 @@ def grouped_chats(path, groups: int = 3, per_group: int = 2) -> None:
     write_workload(path, sessions, {"generator": "test"})
 
 
+@pytest.mark.slow
 def test_a_host_tier_restores_the_hit_rate_that_a_squeezed_pool_loses(model_folders, tmp_path):
     """The README's host-tier replay in miniature: served first come first served, each request
     follows one of another group, so a pool too small for the three group prefixes (18 blocks of

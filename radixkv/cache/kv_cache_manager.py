@@ -26,6 +26,7 @@ from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.radix_cache import RadixCache, RadixNode
 from radixkv.cache.salt import salt_offset, salted
+from radixkv.errors import InvariantError
 
 
 class BlockMover(Protocol):
@@ -370,11 +371,13 @@ class KVCacheManager:
         held by the cache, the live tables and the pending copies; locks equal the tables'."""
         tables = list(tables)
         live = {id(t) for owned in self._live.values() for t in owned}
-        assert live == {id(t) for t in tables}, "a live table is held by no sequence (leaked) or unregistered"
+        if live != {id(t) for t in tables}:
+            raise InvariantError("a live table is held by no sequence (leaked) or unregistered")
         refs: Counter[int] = Counter(src for src, _ in self.pending_copies)
         locks: Counter[int] = Counter()
         for t in tables:
-            assert len(t.blocks) == self.blocks_for(t.num_tokens), f"{t} holds the wrong number of blocks"
+            if len(t.blocks) != self.blocks_for(t.num_tokens):
+                raise InvariantError(f"{t} holds the wrong number of blocks")
             refs.update(t.blocks)
             node = t.node
             while node is not None and node.parent is not None:
@@ -386,25 +389,31 @@ class KVCacheManager:
             refs.update(self.cache.referenced_blocks())
             for node in self.cache.nodes():
                 if node is not self.cache.root:
-                    assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
-                    assert node.host_pin == pins[node.id], f"{node} host_pin, swapped holds {pins[node.id]}"
+                    if node.lock_ref != locks[node.id]:
+                        raise InvariantError(f"{node} lock_ref, tables hold {locks[node.id]}")
+                    if node.host_pin != pins[node.id]:
+                        raise InvariantError(f"{node} host_pin, swapped holds {pins[node.id]}")
         free = self.pool.free_blocks()
-        assert len(set(free)) == len(free), "a block is on the free list twice"
+        if len(set(free)) != len(free):
+            raise InvariantError("a block is on the free list twice")
         for b in range(self.pool.num_blocks):
             count = self.pool.refcount(b)
-            assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
-        assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+            if count != refs[b]:
+                raise InvariantError(f"block {b}: refcount {count}, but {refs[b]} references are held")
+        if set(free) != {b for b in range(self.pool.num_blocks) if refs[b] == 0}:
+            raise InvariantError("free list is wrong")
         host = self.cache.host if self.cache is not None else None
         if host is not None:
             held = Counter(self.cache.referenced_host_blocks())
             host_free = host.pool.free_blocks()
-            assert len(set(host_free)) == len(host_free), "a host block is on the free list twice"
+            if len(set(host_free)) != len(host_free):
+                raise InvariantError("a host block is on the free list twice")
             for b in range(host.pool.num_blocks):
                 count = host.pool.refcount(b)
-                assert count == held[b], f"host block {b}: refcount {count}, but {held[b]} nodes hold it"
-            assert set(host_free) == {b for b in range(host.pool.num_blocks) if not held[b]}, (
-                "host free list is wrong"
-            )
+                if count != held[b]:
+                    raise InvariantError(f"host block {b}: refcount {count}, but {held[b]} nodes hold it")
+            if set(host_free) != {b for b in range(host.pool.num_blocks) if not held[b]}:
+                raise InvariantError("host free list is wrong")
 
     def _register(self, table: BlockTable) -> BlockTable:
         self._live.setdefault(table.owner, set()).add(table)

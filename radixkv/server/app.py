@@ -73,7 +73,7 @@ def build_app(
         max_prompt_chars=prompt_char_limit(engine.tokenizer, engine.max_model_len),
         cache_isolation=cache_isolation,
     )
-    render_metrics = exposition(engine.metrics)
+    render_metrics = exposition(lambda: {**engine.metrics(), "open_sessions": len(sessions)})
 
     async def expire_sessions(every_s: float) -> None:
         while True:

@@ -49,11 +49,13 @@ async def create(
     engine = state.engine
     if not engine.is_alive():
         raise _engine_dead()
+    tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
     # Templates and tokenization run in worker threads, after a length check that needs neither:
     # the event loop stays free for every other client however long a prompt is.
     if chat:
         state.check_text_length(sum(len(m.text) for m in body.messages), "messages")
-        prompts = [await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, body.messages, state.replies)]
+        render = (chat_prompt_ids, engine.tokenizer, body.messages, state.replies, tags.cache_salt)
+        prompts = [await asyncio.to_thread(*render)]
         default = max(1, engine.max_model_len - len(prompts[0]))
     else:
         for p in body.prompts:
@@ -64,7 +66,6 @@ async def create(
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
     tokens = max_tokens(body, default)
-    tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
     try:
         if body.stream:
             if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
@@ -85,7 +86,7 @@ async def create(
     count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
     state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope))
+        events = _events(state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags)
 
         async def end_stream() -> None:
             state.release(count, body.session_id)
@@ -104,7 +105,7 @@ async def create(
         return Response(status_code=499)
     if chat and state.replies is not None:
         for choice in finished.choices:
-            state.replies.add(choice.text, choice.token_ids)
+            state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
     return JSONResponse(fmt.response(finished.choices, finished.usage))
 
 
@@ -169,6 +170,7 @@ async def _events(
     include_usage: bool,
     chat: bool,
     rid: str,
+    tags: Tags,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
     chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event,
@@ -192,7 +194,7 @@ async def _events(
         yield "data: [DONE]\n\n"
         if chat and state.replies is not None:
             for index, pieces in texts.items():
-                state.replies.add("".join(pieces), ids[index])
+                state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
         yield _sse(_step_failed(e, rid).body())
         yield "data: [DONE]\n\n"

@@ -145,7 +145,7 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
-    """A run as the report's `RUN` object (see CONTRACTS.md)."""
+    """A run as the report's `RUN` object (docs/reference.md)."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     cached = sum(r.cached_tokens for r in recs)
