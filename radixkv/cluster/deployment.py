@@ -127,6 +127,11 @@ class RouterIngress:
                 self._probing = asyncio.ensure_future(self._probe_forever())
         return self.service
 
+    def __del__(self) -> None:
+        """Serve calls this as the replica shuts down: the probe loop ends with it."""
+        if self._probing is not None:
+            self._probing.cancel()
+
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(PROBE_PERIOD_S)
