@@ -21,6 +21,8 @@ _EXPORTS = {
     "BeamSearchParams": "radixkv.sampling_params",
     "Engine": "radixkv.engine",
     "EngineConfig": "radixkv.config",
+    "EngineDeadError": "radixkv.errors",
+    "InvariantError": "radixkv.errors",
     "RequestError": "radixkv.errors",
     "RequestOutput": "radixkv.outputs",
     "Sample": "radixkv.outputs",
@@ -34,6 +36,8 @@ __all__ = [
     "BeamSearchParams",
     "Engine",
     "EngineConfig",
+    "EngineDeadError",
+    "InvariantError",
     "RequestError",
     "RequestOutput",
     "Sample",
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
     from radixkv.async_engine import AsyncEngine
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
-    from radixkv.errors import RequestError
+    from radixkv.errors import EngineDeadError, InvariantError, RequestError
     from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta, TokenLogprob
     from radixkv.sampling_params import BeamSearchParams, SamplingParams
 

@@ -26,7 +26,7 @@ from typing import Any
 from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
 from radixkv.engine_core import EngineCore, Prompt
-from radixkv.errors import RequestError
+from radixkv.errors import EngineDeadError, RequestError
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
@@ -89,10 +89,14 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         """Runs one prompt to completion. Cancelling the awaiting task aborts the request.
-        `session_id` makes it a turn of that chat session (`EngineCore.make_request`)."""
-        request = self.core.make_request(prompt, params, request_id, call="generate", session_id=session_id)
+        `session_id` makes it a turn of that chat session, `cache_salt` gives it a cache
+        namespace (`EngineCore.make_request`)."""
+        request = self.core.make_request(
+            prompt, params, request_id, call="generate", session_id=session_id, cache_salt=cache_salt
+        )
         return await self._result(self._open(request))
 
     async def beam_search(
@@ -102,10 +106,11 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[Beam]:
         """The `beam_width` best hypotheses, best first; cancelling the task aborts the search."""
         request = self.core.make_request(
-            prompt, params, request_id, call="beam_search", session_id=session_id
+            prompt, params, request_id, call="beam_search", session_id=session_id, cache_salt=cache_salt
         )
         return await self._result(self._open(request))
 
@@ -116,11 +121,14 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """An async iterator of the tokens as they are made (n == 1). Bad input raises here, at
         the call; the request is submitted when iteration starts, and ends (aborted if still
         going) when the iterator is closed, garbage-collected or left by an exception."""
-        request = self.core.make_request(prompt, params, request_id, call="stream", session_id=session_id)
+        request = self.core.make_request(
+            prompt, params, request_id, call="stream", session_id=session_id, cache_salt=cache_salt
+        )
         if request.params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={request.params.n}")
         return self._stream(request)
@@ -150,11 +158,20 @@ class AsyncEngine:
         """As `Engine.check_invariants`; blocks the caller for at most the step in flight."""
         self.core.check_invariants()
 
+    def is_alive(self) -> bool:
+        """False once the loop thread has died (or the engine is shut down): every request then
+        fails at once, and a server answers 503 at `/health`."""
+        return self._fatal is None and not self._stopping and self._thread.is_alive()
+
+    def abort_all(self) -> None:
+        """Aborts every request still going (queued; each caller gets its abort)."""
+        for request_id in list(self._handles):
+            self.core.abort(request_id, wait=False)
+
     async def shutdown(self) -> None:
         """Aborts every request still going, stops the loop thread and waits for it, then
         stops the tensor-parallel workers, if any."""
-        for request_id in list(self._handles):
-            self.core.abort(request_id, wait=False)
+        self.abort_all()
         self._stopping = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
@@ -164,7 +181,7 @@ class AsyncEngine:
 
     def _open(self, request: Request, stream: bool = False) -> _Handle:
         if self._stopping or self._fatal is not None:
-            raise RuntimeError("the engine is shut down") from self._fatal
+            raise EngineDeadError("the engine's loop is not running (shut down, or died)") from self._fatal
         handle = _Handle(request, asyncio.get_running_loop())
         if stream:
             handle.seq = request.seqs[0]
@@ -174,6 +191,8 @@ class AsyncEngine:
         except BaseException:
             del self._handles[request.request_id]
             raise
+        if self._fatal is not None:  # the loop died after the check above, maybe before it saw us
+            self._post(handle, RequestError(request.request_id, self._fatal))
         return handle
 
     def _close(self, handle: _Handle) -> None:

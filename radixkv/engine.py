@@ -35,13 +35,18 @@ class Engine(EngineCore):
         prompts: Prompt | list[Prompt],
         params: SamplingParams | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts (text or token-id lists) to completion, batched together. Raises the
-        RequestError of a request that a failed step ended. `session_id`: see `add_request`."""
+        RequestError of a request that a failed step ended. `session_id`, `cache_salt`: see
+        `add_request`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         # All valid, or none queued.
-        requests = [self.make_request(p, params, call="generate", session_id=session_id) for p in prompts]
+        requests = [
+            self.make_request(p, params, call="generate", session_id=session_id, cache_salt=cache_salt)
+            for p in prompts
+        ]
         ids = self.submit(requests)
         try:
             self.run_until(lambda: all(r.status is Status.FINISHED for r in requests))
@@ -51,12 +56,18 @@ class Engine(EngineCore):
                 self.forget(i)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, session_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Iterator[StreamDelta]:
         """Yields each generated token as soon as it is made, with its piece of text; the last
         delta carries the finish reason, on a closing delta without a token when the request was
         aborted (`StreamDelta`). Closing the iterator early (or dropping it) aborts the request."""
-        request = self.make_request(prompt, params, call="stream", session_id=session_id)
+        request = self.make_request(
+            prompt, params, call="stream", session_id=session_id, cache_salt=cache_salt
+        )
         if request.params.n != 1:
             raise ValueError(f"stream takes n == 1, got n={request.params.n}")
         return self._stream(request)
@@ -81,10 +92,12 @@ class Engine(EngineCore):
         finally:
             self.forget(request.request_id)
 
-    def beam_search(self, prompt: Prompt, params: BeamSearchParams | None = None) -> list[Beam]:
+    def beam_search(
+        self, prompt: Prompt, params: BeamSearchParams | None = None, cache_salt: str | None = None
+    ) -> list[Beam]:
         """Beam search inside the engine: beams share their blocks and copy only a partly filled
         last block when they write. Returns the `beam_width` best hypotheses, best first."""
-        request = self.make_request(prompt, params, call="beam_search")
+        request = self.make_request(prompt, params, call="beam_search", cache_salt=cache_salt)
         (request_id,) = self.submit([request])
         try:
             self.run_until(lambda: request.status is Status.FINISHED)

@@ -48,6 +48,7 @@ from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.sampler import make_generator
+from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
@@ -75,7 +76,8 @@ class EngineCore:
             self.model = parallel.model
         else:
             self.model = load_model(config.model, dtype=config.dtype, device=config.device, seed=config.seed)
-        self.tokenizer = self.model.tokenizer
+        tokenizer = self.model.tokenizer  # used by callers' threads and the stepping thread at once
+        self.tokenizer = PerThreadTokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids: list[int] = list(self.model.eos_token_ids)
         self.vocab_size: int = self.model.vocab_size
         self.max_model_len = self.model.max_model_len
@@ -151,12 +153,15 @@ class EngineCore:
         *,
         call: str = "add_request",
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """A validated request, not yet queued. `call` names the API: `generate` and `stream`
         take SamplingParams only, `beam_search` BeamSearchParams only (TypeError otherwise).
         Bad input raises ValueError naming the field, before any work. `session_id` makes it
         a turn of that chat session: what it caches ranks with the session under the `session`
-        eviction policy until `close_session`."""
+        eviction policy until `close_session`. `cache_salt` gives it a cache namespace: it shares
+        cached blocks only with requests of the same salt (`radixkv.cache.salt`); without one,
+        with every other unsalted request."""
         expected: tuple[type, ...] = {
             "generate": (SamplingParams,),
             "stream": (SamplingParams,),
@@ -191,7 +196,9 @@ class EngineCore:
                 seq.token_logprobs = []
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-        return Request(request_id, list(ids), params, [seq], session_id=session_id)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        return Request(request_id, list(ids), params, [seq], session_id=session_id, cache_salt=cache_salt)
 
     def submit(self, requests: list[Request]) -> list[str]:
         """Queues requests for the next step; returns their ids. Never waits for a step."""
@@ -213,9 +220,11 @@ class EngineCore:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validates and queues a request; returns its id."""
-        return self.submit([self.make_request(prompt, params, request_id, session_id=session_id)])[0]
+        request = self.make_request(prompt, params, request_id, session_id=session_id, cache_salt=cache_salt)
+        return self.submit([request])[0]
 
     def close_session(self, session_id: str, *, wait: bool = True) -> None:
         """The chat session has no more turns: under the `session` policy its cached blocks lose
@@ -256,7 +265,8 @@ class EngineCore:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
                     logits = self.runner.forward(batch)  # a ScheduledSeq is the runner's SequenceChunk
-                    touched = self.scheduler.postprocess(batch, logits)
+                    touched, failed = self.scheduler.postprocess(batch, logits)
+                    ended += self._fail_each(failed)
             except Exception as exc:  # contained: the batch's requests get it
                 ended += self._fail(self._step_requests(batch), exc)
             except BaseException as exc:
@@ -269,9 +279,14 @@ class EngineCore:
             return touched
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
-        requests. A single-rank engine holds nothing to release."""
-        if isinstance(self.runner, ParallelRunner):
+        """Releases everything the engine holds (idempotent): requests still going are aborted,
+        the KV cache's device and host memory and the CUDA graphs are freed, tensor-parallel
+        workers are stopped. Later requests fail in their first step."""
+        with self._lock:
+            for request_id in list(self._requests):
+                if self._requests[request_id].status is not Status.FINISHED:
+                    self._aborts.append(request_id)
+            self._notify(self._drain())
             self.runner.close()
 
     def __enter__(self) -> Any:
@@ -385,6 +400,7 @@ class EngineCore:
             "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
             "running": len(self.scheduler.running),
+            "running_seqs": self.scheduler.num_running_seqs,
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
             "time_to_first_token_seconds": self.ttft.as_dict(),
             "inter_token_latency_seconds": self.itl.as_dict(),
@@ -439,16 +455,22 @@ class EngineCore:
         return list(self.scheduler.running) + holding
 
     def _fail(self, requests: list[Request], cause: BaseException) -> list[Request]:
-        """Ends `requests` with a RequestError chained to `cause`, releasing all they hold
-        uncached. Requests the step already finished cleanly keep their results."""
+        """Ends a failed step's `requests` with a RequestError chained to `cause`, releasing all
+        they hold uncached and dropping the step's pending copies. Requests the step already
+        finished cleanly keep their results."""
         self.kv.drop_copies()
-        for request in requests:
+        return self._fail_each([(request, cause) for request in requests])
+
+    def _fail_each(self, failures: list[tuple[Request, BaseException]]) -> list[Request]:
+        """Ends each request with a RequestError chained to its own cause, releasing all it holds
+        uncached; the rest of the step stands."""
+        for request, cause in failures:
             if request.status is Status.FINISHED:
                 continue
             self.scheduler.remove(request)
             request.error = RequestError(request.request_id, cause)
             self._end(request)
-        return requests
+        return [request for request, _ in failures]
 
     def _end(self, request: Request) -> None:
         request.seqs = []

@@ -1,4 +1,4 @@
-"""The error a request's caller gets when an engine step fails under it."""
+"""The errors a request's caller gets when an engine step fails under it, or the engine is gone."""
 
 from __future__ import annotations
 
@@ -18,3 +18,15 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel engine lost a rank: a worker died, stopped answering, or the ranks
     diverged. Its workers are stopped and every later step raises this error, so the requests of
     the step and of every later one fail with a `RequestError` caused by it."""
+
+
+class InvariantError(AssertionError):
+    """`check_invariants()` found the books wrong: the message names what broke (a block's
+    refcount, a lock, a size, a stale index). Raised whatever the interpreter's flags: the checks
+    are plain conditions, not `assert` statements, so `python -O` does not skip them. A subclass
+    of AssertionError, as a failed check is a failed assertion about the engine's state."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine takes no more requests: its loop thread died (a bug outside any step's
+    containment) or it was shut down. Requests in flight then got a `RequestError`."""

@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
 MAX_STOP_STRINGS = 16
+INT64_MAX = 2**63 - 1
+"""Integers the sampler turns into tensors must fit int64; a larger `top_k` overflowed in a step."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What `torch.Generator.manual_seed` takes: any int64 or uint64."""
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this is greedy, as in vLLM: dividing logits by 1e-45 overflows them to
+infinities, and a softmax of infinities is NaN."""
+MAX_LENGTH_PENALTY = 32.0
+"""Beam scores divide by `length ** length_penalty`; within +-32 that stays finite and nonzero for
+every length up to 2**20 tokens (32 x ln 2**20 = 444 < ln(float max) = 709)."""
 
 
 def _is_int(value: object) -> bool:
@@ -23,9 +33,9 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if not _is_int(value) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+def _check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -37,7 +47,9 @@ def _check_bool(name: str, value: object) -> None:
 class SamplingParams:
     """Sampling for `generate` and `stream`.
 
-    `temperature == 0` is greedy. `top_k == -1` and `top_p == 1.0` switch those filters off.
+    `temperature == 0` is greedy, and so is any temperature below 1e-5 (`GREEDY_BELOW_TEMPERATURE`).
+    `top_k == -1` and `top_p == 1.0` switch those filters off; a `top_k` above the vocabulary
+    keeps the whole vocabulary. Integers are bounded by int64 and `seed` by `SEED_RANGE`.
     `seed` makes a request reproducible whatever else shares its batch. `n` samples share the
     prompt's KV blocks and copy only the partly filled last block when they write. `stop`
     strings end a sample (finish_reason "stop") whose text then ends before the stop string,
@@ -69,14 +81,17 @@ class SamplingParams:
             )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1 (off) or an integer in [1, {INT64_MAX}], got {self.top_k!r}")
+        low, high = SEED_RANGE
+        if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
+            raise ValueError(
+                f"seed must be None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}"
+            )
         _check_int("n", self.n, 1)
         _check_bool("ignore_eos", self.ignore_eos)
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         if (
@@ -96,7 +111,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(slots=True)
@@ -123,8 +138,11 @@ class BeamSearchParams:
         """Raises ValueError naming the first field out of range."""
         _check_int("beam_width", self.beam_width, 1)
         _check_int("max_tokens", self.max_tokens, 1)
-        if not _is_real(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not _is_real(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            raise ValueError(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty!r}"
+            )
         if not (
             self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
         ):

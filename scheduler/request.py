@@ -99,6 +99,7 @@ class Request:
     inter_token_s: list[float] = field(default_factory=list)  # gaps between the request's steps with tokens
     waited_steps: int = 0
     session_id: str | None = None  # the chat session it is a turn of; tags what it caches
+    cache_salt: str | None = None  # its cache namespace: shares blocks only with the same salt
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
     is_beam_search: bool = field(init=False)  # its params are BeamSearchParams (read once a step)
 

@@ -15,7 +15,9 @@ exceeds the step's token budget), up to `max_num_seqs` sequences. `schedule()` d
    against `max_num_seqs` from admission on.
 `remove()` takes a request out at any stage (abort, failure), releasing what it holds.
 `postprocess()` takes the logits: samples or steps beam search, appends tokens, caches each
-prompt's blocks as they are computed, and caches and releases what finished.
+prompt's blocks as they are computed, and caches and releases what finished. An error while
+sampling or scoring one request's rows is that request's alone: it is handed back as failed and
+the rest of the step goes on (`StepOutcome`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from radixkv.scheduler.beam_search import BeamSearch
@@ -34,6 +37,16 @@ from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
+from radixkv.outputs import TokenLogprob
+
+
+class StepOutcome(NamedTuple):
+    """What `postprocess` made of a step: the requests that made tokens or finished, and those
+    whose own sampling or beam scoring raised, each with its error (still holding their blocks:
+    the engine removes them)."""
+
+    touched: list[Request]
+    failed: list[tuple[Request, Exception]]
 
 
 @dataclass(slots=True, init=False)
@@ -70,7 +83,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         cache = kv.cache
-        self.waiting = WaitingQueue(policy, cache.cached_prefix_len if cache is not None else None)
+        self.waiting = WaitingQueue(policy, kv.cached_prefix_len if cache is not None else None)
         self.running: list[Request] = []
         self.beams: dict[str, BeamSearch] = {}
         self.num_preemptions = 0
@@ -154,7 +167,9 @@ class Scheduler:
                 continue
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
-                seq.table = self.kv.admit(seq.tokens, request.request_id, request.session_id)
+                seq.table = self.kv.admit(
+                    seq.tokens, request.request_id, request.session_id, request.cache_salt
+                )
             cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
@@ -198,13 +213,13 @@ class Scheduler:
         prompt = request.prompt_ids
         cached = None
         for other in self.running:
-            if other.prompt_done:
+            if other.prompt_done or other.cache_salt != request.cache_salt:
                 continue
             shared = common_prefix_len(prompt, other.prompt_ids)
             if shared < self.kv.block_size:
                 continue
             if cached is None:
-                cached = self.kv.cache.cached_prefix_len(prompt)
+                cached = self.kv.cached_prefix_len(prompt, request.cache_salt)
             if shared - cached >= self.kv.block_size:
                 return True
         return False
@@ -221,9 +236,9 @@ class Scheduler:
 
     # -------------------------------------------------------------- postprocess
 
-    def postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[Request]:
+    def postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> StepOutcome:
         """Consumes the step's logits (one row per entry of `batch` that needs logits, in
-        order); returns the requests that made tokens or finished.
+        order); returns the requests that made tokens or finished, and those that failed.
 
         One pass over the batch sorts its rows into sampled ones and beam ones, then one `sample`
         call (one argmax for a greedy batch) and one `.tolist()` serve every sampled row. When
@@ -258,20 +273,25 @@ class Scheduler:
                 rows.append(row)
             row += 1
         touched: dict[str, Request] = {}
+        failed: dict[str, tuple[Request, Exception]] = {}
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
-            params = [request.params for request in requests]
-            tokens = sample(chosen, params, [seq.generator for seq in seqs])
-            records = token_logprobs(chosen, tokens, [p.logprobs for p in params])
+            tokens, records = self._sample(chosen, requests, seqs, failed)
             append = self._append
-            for request, seq, token, record in zip(requests, seqs, tokens.tolist(), records, strict=True):
+            for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
+                if token is None:  # its request failed
+                    continue
                 if record is not None:
                     seq.token_logprobs.append(record)
                 append(request, seq, token)
                 touched[request.request_id] = request
         for request in beam_rows.values():
             if all(seq.logprobs is not None for seq in request.seqs):
-                self._beam_step(request)
+                try:
+                    self._beam_step(request)
+                except Exception as error:
+                    failed[request.request_id] = (request, error)
+                    continue
                 touched[request.request_id] = request
         for request in touched.values():  # each made tokens this step: one stamp per request
             if request.first_token_time is None:
@@ -283,7 +303,42 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = Status.FINISHED
                 request.finish_time = now
-        return list(touched.values())
+        return StepOutcome(list(touched.values()), list(failed.values()))
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        requests: list[Request],
+        seqs: list[Sequence],
+        failed: dict[str, tuple[Request, Exception]],
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Row i's token and logprob record, batched. If the batch raises, each request's rows are
+        sampled alone and a request whose own rows raise goes into `failed` (its tokens None), so
+        that one request's parameters can never fail its neighbours. (A seeded neighbour may then
+        have drawn twice this step: only in a step that hit such an error.)"""
+        params = [request.params for request in requests]
+        generators = [seq.generator for seq in seqs]
+        try:
+            tokens = sample(logits, params, generators)
+            return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
+        except Exception:  # find the request at fault below
+            pass
+        by_request: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_request.setdefault(request.request_id, []).append(i)
+        out_tokens: list[int | None] = [None] * len(requests)
+        out_records: list[TokenLogprob | None] = [None] * len(requests)
+        for request_id, rows in by_request.items():
+            try:
+                own = logits[rows]
+                tokens = sample(own, [params[i] for i in rows], [generators[i] for i in rows])
+                records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
+            except Exception as error:
+                failed[request_id] = (requests[rows[0]], error)
+                continue
+            for i, token, record in zip(rows, tokens.tolist(), records, strict=True):
+                out_tokens[i], out_records[i] = token, record
+        return out_tokens, out_records
 
     def _fork(self, seq: Sequence, k: int) -> Sequence:
         """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own

@@ -23,7 +23,11 @@ class WaitingQueue:
     scheduler asks for it (`ordered`) only when admission can take something; aging is O(1) a step
     (a step counter; a request's `waited_steps` is brought up to date when it leaves the queue)."""
 
-    def __init__(self, policy: str, cached_prefix_len: Callable[[list[int]], int] | None) -> None:
+    def __init__(
+        self, policy: str, cached_prefix_len: Callable[[list[int], str | None], int] | None
+    ) -> None:
+        """`cached_prefix_len(tokens, cache_salt)`: how much of a prompt the cache holds for a
+        request of that salt (None: no cache, so `fcfs`)."""
         self.policy = policy if cached_prefix_len is not None else "fcfs"
         self._cached_prefix_len = cached_prefix_len
         self._requests: list[Request] = []
@@ -60,7 +64,7 @@ class WaitingQueue:
 
         def priority(r: Request) -> tuple[int, float]:
             tokens = r.seqs[0].tokens
-            return (-(prefix(tokens) + self._waited(r) * AGING_TOKENS_PER_STEP), r.arrival_time)
+            return (-(prefix(tokens, r.cache_salt) + self._waited(r) * AGING_TOKENS_PER_STEP), r.arrival_time)
 
         return sorted(self._requests, key=priority)
 

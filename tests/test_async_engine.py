@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import gc
 import random
+import sys
+import threading
 import time
 
 import pytest
@@ -18,6 +20,24 @@ import pytest
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, SamplingParams, StreamDelta
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
+
+
+def parked(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in `threading.Event.wait` (its innermost frames)."""
+    frame = sys._current_frames().get(thread.ident)
+    names = []
+    while frame is not None and len(names) < 4:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "wait" in names
+
+
+async def until(done, timeout_s: float = 30.0) -> None:
+    """Polls `done()` until it holds; fails the test if it does not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"not done within {timeout_s} s"
+        await asyncio.sleep(0.01)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -79,8 +99,7 @@ def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folder
         await asyncio.gather(*cancellers)
         for i, r in zip(tasks, results, strict=True):
             assert r is None or isinstance(r, asyncio.CancelledError), (i, r)
-        await asyncio.sleep(0.05)  # the aborts queued by cancellations reach the loop
-        engine.core.step()  # and are applied (a no-op step when the loop did it already)
+        engine.core.step()  # applies the aborts the cancellations queued (a no-op if the loop did)
         return got, engine
 
     got, engine = asyncio.run(main())
@@ -114,15 +133,13 @@ def test_generate_beam_search_and_cancellation(model_folders):
         assert [b.token_ids for b in beams] == [b.token_ids for b in want_beams]
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(engine.generate(prompt, long, request_id="slow"))
-        while engine.metrics()["running"] == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.metrics()["running"] > 0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         wide = BeamSearchParams(beam_width=3, max_tokens=60)
         beam_task = asyncio.create_task(engine.beam_search(prompt, wide))
-        while engine.metrics()["running"] == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.metrics()["running"] > 0)
         beam_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await beam_task
@@ -134,10 +151,7 @@ def test_generate_beam_search_and_cancellation(model_folders):
         assert (await anext(stream)).token_id == want.token_ids[0]
         del stream
         gc.collect()
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if engine.metrics()["running"] == 0 and not engine.core.has_work():
-                break
+        await until(lambda: engine.metrics()["running"] == 0 and not engine.core.has_work())
         chat = engine.chat(system=[1, 2, 3])
         first = await chat.send([4, 5, 6], greedy)
         second = await chat.send([7, 8], greedy)
@@ -149,13 +163,17 @@ def test_generate_beam_search_and_cancellation(model_folders):
 
 
 def test_an_idle_engine_sleeps(model_folders):
+    """Idle, the loop thread is parked on its event (no polling), so it uses no CPU."""
+
     async def main() -> float:
         engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
         await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+        await until(lambda: parked(engine.loop_thread))
         clock = time.pthread_getcpuclockid(engine.loop_thread.ident)
         before = time.clock_gettime(clock)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.2)  # a window to measure the parked thread's CPU over, not a wait
         used = time.clock_gettime(clock) - before
+        assert parked(engine.loop_thread)
         out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out.token_ids) == 2  # and it wakes on submission
         await engine.shutdown()
@@ -170,8 +188,7 @@ def test_shutdown_aborts_what_is_in_flight(model_folders):
         engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
         long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(engine.generate([1, 2, 3], long))
-        while engine.metrics()["running"] == 0:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.metrics()["running"] > 0)
         await engine.shutdown()
         out = await task
         assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500

@@ -106,6 +106,7 @@ def test_beams_that_end_early_on_eos_equal_transformers(
     engine.check_invariants()
 
 
+@pytest.mark.slow
 def test_beams_share_blocks_peak_within_1_3x_of_one_sequence():
     engine = Engine.from_pretrained("tiny-llama", block_size=16, kv_cache_memory="64MiB")
     peak = 0

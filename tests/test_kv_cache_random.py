@@ -1,15 +1,17 @@
 """Seeded random runs of the whole cache core against a naive model of sequences.
 
-The naive model is a plain list of cached token sequences: a query's longest cached prefix is
-its longest common prefix with any of them. Besides, every block carries fake KV (the token
-written at each slot), so a write into a shared block, a copy that went missing or a block
-handed to two owners shows up as a sequence that no longer reads back its own tokens.
+The naive model is a plain list of cached token sequences, each with its cache salt: a query's
+longest cached prefix is its longest common prefix with any of them of the same salt. Besides,
+every block carries fake KV (the token written at each slot), so a write into a shared block, a
+copy that went missing or a block handed to two owners shows up as a sequence that no longer
+reads back its own tokens.
 """
 
 import random
 
 import numpy as np
 import pytest
+from random_runs import run_length
 
 from radixkv.cache import radix_cache
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
@@ -17,6 +19,9 @@ from radixkv.cache.eviction import make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.salt import TOKEN_BITS, salt_offset
+
+TOKEN_MASK = (1 << TOKEN_BITS) - 1
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -37,11 +42,13 @@ class Harness:
         host_blocks: int = 0,
         write_through: bool = False,
         exact: bool = True,
+        salts: bool = False,
     ) -> None:
         """`exact`: matches must be as long as the naive reference's. Without (forced hash
         collisions), the cache may decline to cache a run, so matches may be shorter, never wrong.
         A host tier of `host_blocks` (0: none) may also shorten a match, when loading its host
-        part runs out of device blocks; the tiers together must still hold the whole prefix."""
+        part runs out of device blocks; the tiers together must still hold the whole prefix.
+        `salts`: requests come in three cache namespaces (no salt, "x", "y")."""
         self.rng = random.Random(seed)
         self.exact = exact
         self.short_matches = 0
@@ -51,12 +58,15 @@ class Harness:
         self.cache = RadixCache(self.pool, make_policy(policy), self.host)
         self.kv = KVCacheManager(self.pool, self.cache, "swap" if host_blocks else "recompute")
         self.owners = iter(range(10**9))
-        self.swapped: list[tuple[int, list[int]]] = []  # (owner, computed tokens) preempted by swap
+        self.swapped: list[tuple[int, list[int], str | None]] = []  # (owner, computed tokens, salt)
         self.restored = 0  # swapped sequences that came back whole
         self.slots = np.full((num_blocks, block_size), -1, dtype=np.int64)  # fake KV
         self.host_slots = np.full((max(host_blocks, 1), block_size), -1, dtype=np.int64)
-        self.reference: list[list[int]] = []
+        self.salts = [None, "x", "y"] if salts else [None]
+        self.salt_at = {salt_offset(salt): salt for salt in self.salts}
+        self.reference: list[tuple[str | None, list[int]]] = []
         self.live: list[tuple[BlockTable, list[int]]] = []
+        self.salt_of: dict[BlockTable, str | None] = {}
         # A few long "documents" over a 3-letter alphabet: prompts share prefixes and diverge
         # inside blocks often.
         self.docs = [[self.rng.randrange(3) for _ in range(6 * block_size)] for _ in range(4)]
@@ -71,22 +81,25 @@ class Harness:
 
     def admit(self) -> None:
         tokens, owner, resumed = self.prompt(), next(self.owners), None
+        salt = self.rng.choice(self.salts) if len(self.salts) > 1 else None
         if self.swapped and self.rng.random() < 0.3:  # a swapped-out sequence is readmitted
-            owner, resumed = self.swapped.pop(self.rng.randrange(len(self.swapped)))
+            owner, resumed, salt = self.swapped.pop(self.rng.randrange(len(self.swapped)))
             tokens = resumed + [self.rng.randrange(3)]
         session = self.rng.choice([None, "a", "b", "c"])
-        table = self.kv.admit(tokens, owner, session)
+        table = self.kv.admit(tokens, owner, session, salt)
+        self.salt_of[table] = salt
         if resumed is not None:
             self.kv.swap_in(owner)
             self.restored += table.num_tokens == len(resumed)
-        expected = max((common_prefix(tokens[:-1], s) for s in self.reference), default=0)
+        same_salt = [seq for s, seq in self.reference if s == salt]
+        expected = max((common_prefix(tokens[:-1], seq) for seq in same_salt), default=0)
         if self.host is None:
             assert table.num_tokens == expected or (not self.exact and table.num_tokens < expected), (
                 f"matched {table.num_tokens}, reference {expected}"
             )
         else:
             assert table.num_tokens <= expected, f"matched {table.num_tokens}, reference {expected}"
-            assert self.cache.cached_prefix_len(tokens[:-1]) == expected, "a tier lost KV"
+            assert self.kv.cached_prefix_len(tokens[:-1], salt) == expected, "a tier lost KV"
         self.short_matches += table.num_tokens < expected
         self.live.append((table, tokens))
         self.append(len(self.live) - 1, len(tokens) - table.num_tokens)
@@ -133,10 +146,15 @@ class Harness:
         self.slots[dst] = self.host_slots[src]
 
     def step(self) -> None:
+        self.tracking_evictions(self.operate)
+
+    def tracking_evictions(self, op) -> None:
+        """Runs `op`; if it evicted anything (explicitly, or to make room for an allocation), the
+        reference forgets what the cache did."""
         evicted = self.cache.num_evicted, self.host and self.host.num_evicted
-        self.operate()
+        op()
         if (self.cache.num_evicted, self.host and self.host.num_evicted) != evicted:
-            self.forget_evicted()  # explicitly, or to make room for an allocation
+            self.forget_evicted()
 
     def operate(self) -> None:
         op = self.rng.random()
@@ -148,7 +166,9 @@ class Harness:
             self.append(self.rng.randrange(len(self.live)), self.rng.randrange(1, 2 * self.B + 2))
         elif op < 0.5:
             table, tokens = self.rng.choice(self.live)
-            self.live.append((self.kv.fork(table), list(tokens)))
+            fork = self.kv.fork(table)
+            self.salt_of[fork] = self.salt_of[table]
+            self.live.append((fork, list(tokens)))
         elif op < 0.55:
             picked = self.rng.sample(range(len(self.live)), min(3, len(self.live)))
             self.grow([(i, self.rng.randrange(1, self.B + 2)) for i in picked])
@@ -157,20 +177,21 @@ class Harness:
             self.kv.cache_running(table, tokens)
             full = table.num_tokens - table.num_tokens % self.B
             if full:
-                self.reference.append(tokens[:full])
+                self.reference.append((self.salt_of[table], tokens[:full]))
         elif op < 0.8:
             table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
-            computed, owner = table.num_tokens, table.owner
+            computed, owner, salt = table.num_tokens, table.owner, self.salt_of.pop(table)
             if computed:
-                self.reference.append(tokens[:computed])
+                self.reference.append((salt, tokens[:computed]))
             if self.host is not None and self.rng.random() < 0.5:
                 self.kv.preempt(table, tokens)  # swap: to the host, pinned until readmitted
                 if computed:
-                    self.swapped.append((owner, tokens[:computed]))
+                    self.swapped.append((owner, tokens[:computed], salt))
             else:
                 self.kv.cache_finished(table, tokens)
         elif op < 0.86:
             table, _ = self.live.pop(self.rng.randrange(len(self.live)))
+            del self.salt_of[table]
             self.kv.release(table)
         elif op < 0.88:
             self.kv.close_session(self.rng.choice(["a", "b", "c"]))
@@ -188,10 +209,18 @@ class Harness:
     def forget_evicted(self) -> None:
         """Eviction only forgets: whatever the cache still holds (on either tier) was cached
         before, and the reference now holds just that."""
-        cached = self.cache.cached_sequences()
-        for seq in cached:
-            assert any(common_prefix(seq, s) == len(seq) for s in self.reference), "evict invented KV"
+        cached = [self.unsalted(seq) for seq in self.cache.cached_sequences()]
+        for salt, seq in cached:
+            same_salt = [s for sl, s in self.reference if sl == salt]
+            assert any(common_prefix(seq, s) == len(seq) for s in same_salt), "evict invented KV"
         self.reference = cached
+
+    def unsalted(self, keys: list[int]) -> tuple[str | None, list[int]]:
+        """A cached key sequence as (salt, tokens): the salt from its offset, which must be one
+        of the run's and the same along the whole sequence."""
+        offsets = {t & ~TOKEN_MASK for t in keys}
+        assert len(offsets) == 1 and next(iter(offsets)) in self.salt_at, "a cached run mixes namespaces"
+        return self.salt_at[next(iter(offsets))], [t & TOKEN_MASK for t in keys]
 
     # ------------------------------------------------------------------ checks
 
@@ -205,10 +234,11 @@ class Harness:
         for table, tokens in self.live:
             assert self.reads_back(tokens[: table.num_tokens], table.blocks), "sequence KV corrupted"
         for node in self.cache.nodes():
+            tokens = [t & TOKEN_MASK for t in node.tokens]
             if node.blocks:
-                assert self.reads_back(node.tokens, node.blocks), f"cached KV of {node} corrupted"
+                assert self.reads_back(tokens, node.blocks), f"cached KV of {node} corrupted"
             if node.host_blocks:
-                assert self.reads_back(node.tokens, node.host_blocks, self.host_slots), f"host KV of {node}"
+                assert self.reads_back(tokens, node.host_blocks, self.host_slots), f"host KV of {node}"
         assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
 
     def slot_usage_recount(self) -> tuple[int, int]:
@@ -236,7 +266,7 @@ class Harness:
 def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
     h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
-    run(h, 5000)
+    run(h, run_length(5000))
 
 
 @pytest.mark.parametrize(
@@ -253,10 +283,20 @@ def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
 ):
     """Fake KV written per slot survives offload and load-back bit for bit, on both tiers."""
     h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
-    run(h, 4000)
+    run(h, run_length(4000))
     host = h.host
     assert host.num_offloaded and host.num_loaded and host.num_evicted, "the host tier was not exercised"
     assert h.kv.num_swapped_out_blocks and h.restored, "no swapped-out sequence came back whole"
+
+
+@pytest.mark.parametrize(("block_size", "seed", "host_blocks"), [(4, 20, 0), (1, 21, 0), (4, 22, 40)])
+def test_random_operations_with_salts_share_blocks_only_within_a_salt(block_size, seed, host_blocks):
+    """Three namespaces over the same prompts: a match never reaches another salt's blocks, and
+    every rule of the cache (eviction, forks, the host tier and swap) holds in each."""
+    h = Harness(block_size, max(48, 600 // block_size), seed, host_blocks=host_blocks, salts=True)
+    run(h, run_length(3000))
+    salts = {salt for salt, _ in h.reference}
+    assert len(salts) == 3, "the run did not cache under every salt"
 
 
 def run(h: Harness, steps: int) -> None:
@@ -277,7 +317,7 @@ def test_hash_collisions_never_return_another_prefixs_kv(monkeypatch, block_size
     KV check proves no match ever returns blocks holding other tokens."""
     monkeypatch.setattr(radix_cache, "block_key", lambda tokens: sum(tokens) % 2)
     h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, exact=False)
-    for _ in range(2000):
+    for _ in range(run_length(2000, least=1000)):
         h.step()
         h.check()
     assert h.short_matches > 0, "no collision made the cache decline a run: the branches went untested"
@@ -315,10 +355,11 @@ class AppendSlotHarness(Harness):
 @pytest.mark.parametrize(("block_size", "seed"), [(1, 20), (4, 21), (16, 22)])
 def test_append_slot_takes_only_a_slot_reserve_would_take(block_size, seed):
     h = AppendSlotHarness(block_size, num_blocks=max(48, 600 // block_size), seed=seed)
-    for _ in range(3000):
+    for _ in range(run_length(3000)):
         if h.live and h.rng.random() < 0.5:  # many one-token appends, as decode steps make
-            h.append(h.rng.randrange(len(h.live)), 1)
+            i = h.rng.randrange(len(h.live))
+            h.tracking_evictions(lambda i=i: h.append(i, 1))
         else:
             h.step()
         h.check()
-    assert h.fast > 300, "append_slot was hardly exercised"
+    assert h.fast > run_length(3000) // 10, "append_slot was hardly exercised"

@@ -89,6 +89,7 @@ def chat_turns(
     return turns
 
 
+@pytest.mark.slow
 def test_chats_that_come_back_from_the_host_match_transformers(model_folders, reference_models, monkeypatch):
     """Six chats of three turns over a device pool of 24 blocks: later turns load their earlier
     turns from the host (each ending in a partly matched block, whose copy-on-write copy reads a

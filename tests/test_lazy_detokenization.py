@@ -75,6 +75,7 @@ def test_steps_make_no_text_without_stop_strings_and_the_text_is_the_tokenizers(
     engine.check_invariants()
 
 
+@pytest.mark.slow
 def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(engine, monkeypatch):
     exercised = 0
     for seed in range(6):

@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from random_runs import run_length
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
 from radixkv.model.runner import SequenceChunk
@@ -93,7 +94,7 @@ def random_request(rng: random.Random, docs: list[list[int]]):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_2000_random_operations_keep_books_and_outputs(model_folders, seed):
+def test_random_operations_keep_books_and_outputs(model_folders, seed):
     rng = random.Random(seed)
     docs = [[rng.randrange(4) for _ in range(24)] for _ in range(3)]  # shared prefixes, 4-token alphabet
     # Largest request: 6 prompt blocks + 2 sequences x (3 more blocks + 1): 14 blocks. The pool has 16.
@@ -103,7 +104,8 @@ def test_2000_random_operations_keep_books_and_outputs(model_folders, seed):
     submitted: dict[str, tuple[list[int], object]] = {}
     aborted: set[str] = set()
     faults = 0
-    for _ in range(2000):
+    steps = run_length(2000)
+    for _ in range(steps):
         op = rng.random()
         live = [r for r in submitted if r not in aborted and not engine.is_finished(r)]
         if op < 0.3:
@@ -149,4 +151,4 @@ def test_2000_random_operations_keep_books_and_outputs(model_folders, seed):
                 assert got.token_ids == greedy_oracle(prompt, params.max_tokens)
                 greedy += 1
     assert engine.metrics()["num_preemptions"] > 0 and engine.metrics()["prefix_cache_hits"] > 0
-    assert failed > 0 and aborted and greedy > 50 and faults > 0
+    assert failed > 0 and aborted and greedy > steps // 40 and faults > 0

@@ -1,4 +1,4 @@
-"""`radixkv replay` end to end on a tiny workload: the report's shape (CONTRACTS.md) and sense."""
+"""`radixkv replay` end to end on a tiny workload: the report's shape (docs/reference.md) and sense."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ RUN_FIELDS = {
     "evicted_blocks": int,
     "cow_copies": int,
     "host_hit_rate": float,
+    "failed_requests": int,
 }
 
 
@@ -95,6 +96,7 @@ def test_replay_compare_writes_a_valid_report(model_folders, workload, tmp_path,
     assert 0 < on["kv_utilization"] <= 1
 
 
+@pytest.mark.slow
 def test_replay_compares_a_squeezed_pool_with_and_without_a_host_tier(model_folders, workload, tmp_path):
     report_path = tmp_path / "report.json"
     args = replay_args(workload, model_folders, "--report", str(report_path))
@@ -142,6 +144,7 @@ def grouped_chats(path, groups: int = 3, per_group: int = 2) -> None:
     write_workload(path, sessions, {"generator": "test"})
 
 
+@pytest.mark.slow
 def test_a_host_tier_restores_the_hit_rate_that_a_squeezed_pool_loses(model_folders, tmp_path):
     """The README's host-tier replay in miniature: served first come first served, each request
     follows one of another group, so a pool too small for the three group prefixes (18 blocks of
@@ -157,3 +160,32 @@ def test_a_host_tier_restores_the_hit_rate_that_a_squeezed_pool_loses(model_fold
     two, one = report["runs"]["prefix_cache"], report["runs"]["no_host_tier"]
     assert one["hit_rate"] < 0.6 * ideal
     assert two["hit_rate"] >= 0.95 * ideal
+
+
+def test_a_replay_whose_request_fails_reports_it_and_finishes(model_folders):
+    """A step that fails one session's turn ends that session there; the replay goes on with the
+    others and counts the failure, instead of waiting for the failed request for ever."""
+    from radixkv import Engine, EngineConfig
+    from radixkv.tools.replay import _replay, summarize
+    from radixkv.workloads.format import Workload
+
+    poison = 255
+    sessions = [
+        Session("bad", [Turn([poison, 9], max_tokens=3)] * 3, system=[7, 8]),
+        Session("ok", [Turn([4, 5], max_tokens=3)] * 2, arrival=5.0, system=[1, 2, 3]),  # after the fault
+    ]
+    engine = Engine(EngineConfig(model=str(model_folders["llama"]), block_size=4, kv_cache_memory="4MiB"))
+    forward = engine.runner.forward
+
+    def faulty(chunks):
+        if any(poison in c.token_ids for c in chunks):
+            raise RuntimeError("injected")
+        return forward(chunks)
+
+    engine.runner.forward = faulty
+    result = _replay(engine, Workload(sessions, {}), speed=100.0, progress=False)
+    run = summarize(result)
+    assert run["failed_requests"] == 1 and result.failed[0].startswith("bad turn 0")
+    turns = sorted((r.session, r.turn) for r in result.records)
+    assert turns == [("ok", 0), ("ok", 1)]
+    engine.check_invariants()

@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import KEY, serve
+from test_server import KEY, metric, serve
 
 from radixkv import AsyncEngine, EngineConfig
 from radixkv.server.app import build_app
@@ -67,6 +67,7 @@ def open_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
 
 
+@pytest.mark.slow
 def test_a_live_session_outlives_one_offs_and_a_closed_one_gives_its_blocks_up(folder, tmp_path):
     a, b = ids(1), ids(2)
     with serve(folder, tmp_path / "serve.log", *SERVE_ARGS, "--session-idle-timeout", "0") as (url, _):
@@ -87,6 +88,7 @@ def test_a_live_session_outlives_one_offs_and_a_closed_one_gives_its_blocks_up(f
         assert cached(client, b, "b") == 0
 
 
+@pytest.mark.slow
 def test_an_idle_session_is_closed_by_its_timeout(folder, tmp_path):
     """Live, b would outrank the one-off requests (the test above) and keep its blocks; closed
     by its timeout, it is the oldest of equals and goes first."""
@@ -94,7 +96,11 @@ def test_an_idle_session_is_closed_by_its_timeout(folder, tmp_path):
     with serve(folder, tmp_path / "serve.log", *SERVE_ARGS, "--session-idle-timeout", "0.5") as (url, _):
         client = open_client(url)
         complete(client, b, "b")
-        time.sleep(1.5)  # b's timeout passes, with no request to notice it: the server's own task
+        # b's timeout passes with no request to notice it: the server's own task closes it.
+        deadline = time.monotonic() + 30
+        while metric(url, "radixkv_open_sessions") > 0:
+            assert time.monotonic() < deadline, "the idle session was never closed"
+            time.sleep(0.1)
         assert delete(url, "b").status_code == 404  # closed already
         one_offs(client)
         assert cached(client, b, "b") == 0

@@ -126,6 +126,7 @@ def test_cache_aware_routing_keeps_conversations_together():
     assert aware.hit_rate > 1.25 * rr.hit_rate
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the shared Mooncake trace is not present")
 def test_mooncake_cache_aware_matches_one_big_cache_with_even_load(capsys):
     args = [

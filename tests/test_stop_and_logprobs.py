@@ -20,6 +20,7 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(rng.randrange(5, 15))]
 
 
+@pytest.mark.slow
 def test_a_stop_string_across_tokens_ends_the_text_before_it(engine):
     exercised = 0
     for seed in range(4):
@@ -60,5 +61,8 @@ def test_logprobs_equal_transformers(engine, reference_models):
     streamed = list(engine.stream(p, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)))
     assert [d.logprobs[0].top for d in streamed] == [[]] * 8
     want = [r.logprob for r in out.samples[0].logprobs]
-    assert [d.logprobs[0].logprob for d in streamed] == pytest.approx(want)
+    # The two runs batch differently, and float sums depend on the batch: the runner's logits stay
+    # within 2e-4 of transformers' (radixkv.model.presets), so two runs' log-softmaxes (a logit
+    # less a log-sum-exp, each off by at most that) agree within 2 x 2 x 2e-4.
+    assert [d.logprobs[0].logprob for d in streamed] == pytest.approx(want, abs=8e-4)
     assert engine.generate([p], SamplingParams(max_tokens=2))[0].samples[0].logprobs is None

@@ -10,7 +10,7 @@ def request(name: str, tokens: list[int], arrival: float) -> Request:
 
 def test_lpm_puts_the_longest_cached_prefix_first_and_aging_stops_starvation():
     cached = {1: 1024, 2: 0, 3: 64}  # first token -> cached prefix length
-    queue = WaitingQueue("lpm", lambda tokens: cached[tokens[0]])
+    queue = WaitingQueue("lpm", lambda tokens, salt: cached[tokens[0]])
     old_cold, hot, warm = request("cold", [2], 0.0), request("hot", [1], 1.0), request("warm", [3], 2.0)
     for r in (old_cold, hot, warm):
         queue.add(r)
@@ -24,7 +24,7 @@ def test_lpm_puts_the_longest_cached_prefix_first_and_aging_stops_starvation():
 
 
 def test_fcfs_keeps_arrival_order():
-    queue = WaitingQueue("fcfs", lambda tokens: 10**6 if tokens[0] == 1 else 0)
+    queue = WaitingQueue("fcfs", lambda tokens, salt: 10**6 if tokens[0] == 1 else 0)
     for r in (request("b", [1], 2.0), request("a", [2], 1.0)):
         queue.add(r)
     assert [r.request_id for r in queue.ordered()] == ["a", "b"]

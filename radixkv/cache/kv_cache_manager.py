@@ -25,6 +25,8 @@ from typing import Protocol
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.radix_cache import RadixCache, RadixNode
+from radixkv.cache.salt import salt_offset, salted
+from radixkv.errors import InvariantError
 
 
 class BlockMover(Protocol):
@@ -65,7 +67,8 @@ class BlockTable:
     """`blocks[i]` holds positions `[i * block_size, (i + 1) * block_size)`; `num_tokens` slots
     are filled (or being filled this step). `node`, when set, is the locked cached path.
     `session`, when set, is the chat session the sequence belongs to: what it caches is tagged
-    with it, for the `session` eviction policy."""
+    with it, for the `session` eviction policy. `key_offset` is its cache namespace
+    (`radixkv.cache.salt`): the tokens it matches and caches are keyed shifted by it."""
 
     blocks: list[int]
     num_tokens: int = 0
@@ -73,6 +76,7 @@ class BlockTable:
     owner: object = None  # the request holding it
     session: str | None = None
     num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
+    key_offset: int = 0
 
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -120,22 +124,34 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, tokens: list[int], owner: object = None, session: str | None = None) -> BlockTable:
+    def admit(
+        self, tokens: list[int], owner: object = None, session: str | None = None, salt: str | None = None
+    ) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
         last token, which is always computed so that its logits exist. A `session` is live
-        from its first admission until `close_session`."""
+        from its first admission until `close_session`. `salt` (a request's `cache_salt`) limits
+        what it matches and caches to its namespace."""
+        offset = salt_offset(salt)
         if self.cache is None:
-            return self._register(BlockTable([], owner=owner, session=session))
+            return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
         if session is not None:
             self.cache.set_session_live(session, True)
         if len(tokens) < 2:
-            return self._register(BlockTable([], owner=owner, session=session))
-        match = self.cache.match_prefix(tokens[:-1], session)
+            return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
+        match = self.cache.match_prefix(salted(tokens[:-1], offset), session)
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
         blocks, loaded = list(match.blocks), match.host_tokens
-        return self._register(BlockTable(blocks, match.num_tokens, match.node, owner, session, loaded))
+        table = BlockTable(blocks, match.num_tokens, match.node, owner, session, loaded, offset)
+        return self._register(table)
+
+    def cached_prefix_len(self, tokens: list[int], salt: str | None = None) -> int:
+        """How many leading tokens of `tokens` the cache holds in `salt`'s namespace (0 without a
+        cache); changes nothing."""
+        if self.cache is None:
+            return 0
+        return self.cache.cached_prefix_len(salted(tokens, salt_offset(salt)))
 
     def close_session(self, session: str) -> None:
         """The chat session has no more turns: its cached blocks lose their live-session rank."""
@@ -200,7 +216,10 @@ class KVCacheManager:
             self.pool.incref(b)
         if table.node is not None:
             self.cache.inc_lock(table.node)
-        copy = BlockTable(list(table.blocks), table.num_tokens, table.node, table.owner, table.session)
+        copy = BlockTable(
+            list(table.blocks), table.num_tokens, table.node, table.owner, table.session,
+            key_offset=table.key_offset,
+        )
         return self._register(copy)
 
     def release(self, table: BlockTable) -> None:
@@ -226,10 +245,10 @@ class KVCacheManager:
     def preempt(self, table: BlockTable, tokens: list[int]) -> None:
         """Caches and releases a preempted sequence's table; in `swap` mode also moves its
         computed KV to the host tier and pins it there for the owner (see `swap_in`)."""
-        computed, owner = table.num_tokens, table.owner
+        computed, owner, offset = table.num_tokens, table.owner, table.key_offset
         self.cache_finished(table, tokens)
         if self.preemption_mode == "swap" and owner is not None and computed:
-            node, moved = self.cache.swap_out(tokens[:computed])
+            node, moved = self.cache.swap_out(salted(tokens[:computed], offset))
             self.num_swapped_out_blocks += moved
             if node is not None:
                 self._swapped.setdefault(owner, []).append(node)
@@ -257,7 +276,8 @@ class KVCacheManager:
         """Caches the sequence's computed tokens (a finished or preempted sequence), then
         releases the table: its next turn, or its own resumption, finds them."""
         if self.cache is not None and table.num_tokens:
-            self.cache.insert(tokens[: table.num_tokens], table.blocks, table.session)
+            keys = salted(tokens[: table.num_tokens], table.key_offset)
+            self.cache.insert(keys, table.blocks, table.session)
         self.release(table)
 
     def cache_running(self, table: BlockTable, tokens: list[int]) -> None:
@@ -270,8 +290,9 @@ class KVCacheManager:
         locked = table.node.end if table.node is not None else 0
         if full <= locked:
             return
-        self.cache.insert(tokens[:full], table.blocks, table.session)
-        match = self.cache.match_prefix(tokens[:full], table.session)
+        keys = salted(tokens[:full], table.key_offset)
+        self.cache.insert(keys, table.blocks, table.session)
+        match = self.cache.match_prefix(keys, table.session)
         self.cache.inc_lock(match.node)
         if table.node is not None:
             self.cache.dec_lock(table.node)
@@ -350,11 +371,13 @@ class KVCacheManager:
         held by the cache, the live tables and the pending copies; locks equal the tables'."""
         tables = list(tables)
         live = {id(t) for owned in self._live.values() for t in owned}
-        assert live == {id(t) for t in tables}, "a live table is held by no sequence (leaked) or unregistered"
+        if live != {id(t) for t in tables}:
+            raise InvariantError("a live table is held by no sequence (leaked) or unregistered")
         refs: Counter[int] = Counter(src for src, _ in self.pending_copies)
         locks: Counter[int] = Counter()
         for t in tables:
-            assert len(t.blocks) == self.blocks_for(t.num_tokens), f"{t} holds the wrong number of blocks"
+            if len(t.blocks) != self.blocks_for(t.num_tokens):
+                raise InvariantError(f"{t} holds the wrong number of blocks")
             refs.update(t.blocks)
             node = t.node
             while node is not None and node.parent is not None:
@@ -366,25 +389,31 @@ class KVCacheManager:
             refs.update(self.cache.referenced_blocks())
             for node in self.cache.nodes():
                 if node is not self.cache.root:
-                    assert node.lock_ref == locks[node.id], f"{node} lock_ref, tables hold {locks[node.id]}"
-                    assert node.host_pin == pins[node.id], f"{node} host_pin, swapped holds {pins[node.id]}"
+                    if node.lock_ref != locks[node.id]:
+                        raise InvariantError(f"{node} lock_ref, tables hold {locks[node.id]}")
+                    if node.host_pin != pins[node.id]:
+                        raise InvariantError(f"{node} host_pin, swapped holds {pins[node.id]}")
         free = self.pool.free_blocks()
-        assert len(set(free)) == len(free), "a block is on the free list twice"
+        if len(set(free)) != len(free):
+            raise InvariantError("a block is on the free list twice")
         for b in range(self.pool.num_blocks):
             count = self.pool.refcount(b)
-            assert count == refs[b], f"block {b}: refcount {count}, but {refs[b]} references are held"
-        assert set(free) == {b for b in range(self.pool.num_blocks) if refs[b] == 0}, "free list is wrong"
+            if count != refs[b]:
+                raise InvariantError(f"block {b}: refcount {count}, but {refs[b]} references are held")
+        if set(free) != {b for b in range(self.pool.num_blocks) if refs[b] == 0}:
+            raise InvariantError("free list is wrong")
         host = self.cache.host if self.cache is not None else None
         if host is not None:
             held = Counter(self.cache.referenced_host_blocks())
             host_free = host.pool.free_blocks()
-            assert len(set(host_free)) == len(host_free), "a host block is on the free list twice"
+            if len(set(host_free)) != len(host_free):
+                raise InvariantError("a host block is on the free list twice")
             for b in range(host.pool.num_blocks):
                 count = host.pool.refcount(b)
-                assert count == held[b], f"host block {b}: refcount {count}, but {held[b]} nodes hold it"
-            assert set(host_free) == {b for b in range(host.pool.num_blocks) if not held[b]}, (
-                "host free list is wrong"
-            )
+                if count != held[b]:
+                    raise InvariantError(f"host block {b}: refcount {count}, but {held[b]} nodes hold it")
+            if set(host_free) != {b for b in range(host.pool.num_blocks) if not held[b]}:
+                raise InvariantError("host free list is wrong")
 
     def _register(self, table: BlockTable) -> BlockTable:
         self._live.setdefault(table.owner, set()).add(table)

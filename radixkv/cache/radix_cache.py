@@ -39,6 +39,7 @@ from sortedcontainers import SortedList
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LRU, EvictionPolicy, SessionAware
 from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
+from radixkv.errors import InvariantError
 
 
 class RadixNode:
@@ -385,32 +386,47 @@ class RadixCache:
         seen: set[int] = set()
         seen_host: set[int] = set()
         for node in self.nodes():
-            assert node.device_children == sum(bool(c.blocks) for c in node.children.values()), (
-                f"{node} miscounts its children on the device"
-            )
+            if node.device_children != sum(bool(c.blocks) for c in node.children.values()):
+                raise InvariantError(f"{node} miscounts its children on the device")
             if node is self.root:
                 continue
             p = node.parent
             nb = -(-len(node.tokens) // B)
-            assert p is not None and node.start == p.end, f"{node} does not start where its parent ends"
-            assert node.start % B == 0, f"{node} starts inside a block"
-            assert node.tokens, f"{node} has an empty edge"
-            assert node.blocks or node.host_blocks, f"{node} has its KV nowhere"
-            assert len(node.blocks) in (0, nb), f"{node} has the wrong number of blocks"
-            assert len(node.host_blocks) in (0, nb), f"{node} has the wrong number of host blocks"
-            assert not node.host_blocks or self.host is not None, f"{node} is on a host tier that is off"
-            assert not node.blocks or p is self.root or p.blocks, f"{node} is on the device, its parent not"
-            assert not node.children or node.end % B == 0, f"inner {node} ends inside a block"
-            assert p.children.get(block_key(node.tokens[:B])) is node, f"{node} is not under its key"
-            assert node in p.by_first[node.tokens[0]], f"{node} is missing from its first-token index"
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node} lock"
+            if p is None or node.start != p.end:
+                raise InvariantError(f"{node} does not start where its parent ends")
+            if node.start % B:
+                raise InvariantError(f"{node} starts inside a block")
+            if not node.tokens:
+                raise InvariantError(f"{node} has an empty edge")
+            if not node.blocks and not node.host_blocks:
+                raise InvariantError(f"{node} has its KV nowhere")
+            if len(node.blocks) not in (0, nb):
+                raise InvariantError(f"{node} has the wrong number of blocks")
+            if len(node.host_blocks) not in (0, nb):
+                raise InvariantError(f"{node} has the wrong number of host blocks")
+            if node.host_blocks and self.host is None:
+                raise InvariantError(f"{node} is on a host tier that is off")
+            if node.blocks and p is not self.root and not p.blocks:
+                raise InvariantError(f"{node} is on the device, its parent not")
+            if node.children and node.end % B:
+                raise InvariantError(f"inner {node} ends inside a block")
+            if p.children.get(block_key(node.tokens[:B])) is not node:
+                raise InvariantError(f"{node} is not under its key")
+            if node not in p.by_first[node.tokens[0]]:
+                raise InvariantError(f"{node} is missing from its first-token index")
+            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+                raise InvariantError(f"{node} lock")
             for b in node.blocks:
-                assert b not in seen, f"block {b} is held by two nodes"
-                assert self._node_of.get(b) is node, f"block {b} is not mapped to {node}"
-                assert self.pool.refcount(b) >= 1, f"cached block {b} is free"
+                if b in seen:
+                    raise InvariantError(f"block {b} is held by two nodes")
+                if self._node_of.get(b) is not node:
+                    raise InvariantError(f"block {b} is not mapped to {node}")
+                if self.pool.refcount(b) < 1:
+                    raise InvariantError(f"cached block {b} is free")
                 seen.add(b)
             for b in node.host_blocks:
-                assert b not in seen_host, f"host block {b} is held by two nodes"
+                if b in seen_host:
+                    raise InvariantError(f"host block {b} is held by two nodes")
                 seen_host.add(b)
             if node.blocks and len(node.tokens) % B:
                 partial[node.blocks[-1]] = len(node.tokens) % B
@@ -422,19 +438,27 @@ class RadixCache:
                 leaves.add(node.id)
             if self.host is not None and self._host_evictable(node):
                 host_nodes.add(node.id)
-        assert len(self._node_of) == len(seen), "the block map holds blocks no node has"
+        if len(self._node_of) != len(seen):
+            raise InvariantError("the block map holds blocks no node has")
         for node in self.nodes():
-            assert sum(len(v) for v in node.by_first.values()) == len(node.children), f"{node} index"
-        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
-            f"sizes {self.evictable_size}/{self.protected_size}, recount {evictable}/{protected}"
-        )
-        assert {n.id for n in self._leaves} == leaves, "evictable leaf set is stale"
-        assert {n.id for n in self._host_nodes} == host_nodes, "host-evictable set is stale"
-        assert partial == self.partial_blocks, "partly filled cached blocks are miscounted"
+            if sum(len(v) for v in node.by_first.values()) != len(node.children):
+                raise InvariantError(f"{node} index")
+        if (evictable, protected) != (self.evictable_size, self.protected_size):
+            raise InvariantError(
+                f"sizes {self.evictable_size}/{self.protected_size}, recount {evictable}/{protected}"
+            )
+        if {n.id for n in self._leaves} != leaves:
+            raise InvariantError("evictable leaf set is stale")
+        if {n.id for n in self._host_nodes} != host_nodes:
+            raise InvariantError("host-evictable set is stale")
+        if partial != self.partial_blocks:
+            raise InvariantError("partly filled cached blocks are miscounted")
         keys = [self._leaf_key(n) for n in self._leaves]
-        assert keys == sorted(keys), "evictable leaves are out of order"
+        if keys != sorted(keys):
+            raise InvariantError("evictable leaves are out of order")
         keys = [self._host_key(n) for n in self._host_nodes]
-        assert keys == sorted(keys), "host-evictable nodes are out of order"
+        if keys != sorted(keys):
+            raise InvariantError("host-evictable nodes are out of order")
 
     # ------------------------------------------------------------ internals
 

@@ -49,7 +49,7 @@ class EngineReplica:
         self,
         config: EngineConfig,
         model_name: str,
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         max_waiting: int | None,
         session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
     ):
@@ -127,6 +127,11 @@ class RouterIngress:
                 self._probing = asyncio.ensure_future(self._probe_forever())
         return self.service
 
+    def __del__(self) -> None:
+        """Serve calls this as the replica shuts down: the probe loop ends with it."""
+        if self._probing is not None:
+            self._probing.cancel()
+
     async def _probe_forever(self) -> None:
         while True:
             await asyncio.sleep(PROBE_PERIOD_S)
@@ -138,7 +143,7 @@ def build_application(
     replicas: int,
     policy: str,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | tuple[str, ...] | None = None,
     max_waiting: int | None = None,
     gpus_per_replica: float = 0,
     session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,

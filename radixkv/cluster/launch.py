@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise SystemExit('--replicas needs Ray Serve: pip install -e ".[cluster]"') from None
     from radixkv.cluster.deployment import build_application
+    from radixkv.server.launch import read_api_keys
     from radixkv.tools.engine_args import engine_config
 
+    keys = read_api_keys(args)  # checked before any replica starts
     config = engine_config(args)
     if args.ray_address:
         ray.init(address=args.ray_address)
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         args.replicas,
         args.router,
         args.served_model_name or args.model,
-        api_key=args.api_key,
+        api_key=keys or None,
         max_waiting=args.max_waiting,
         gpus_per_replica=gpus,
         session_idle_timeout_s=args.session_idle_timeout,

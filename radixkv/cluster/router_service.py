@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from radixkv.cache.salt import salt_offset, salted
 from radixkv.cluster.asgi_call import Forwarded, ResponseHead
 from radixkv.cluster.router_metrics import RouterCounters, router_exposition
 from radixkv.conversation import render_chat
@@ -208,19 +209,23 @@ class RouterService:
         self.router.set_alive(i, False)
 
     def _routing_tokens(self, path: str, body: bytes) -> list[int]:
+        """The prompt's tokens as the replicas' caches key them: shifted into the request's
+        `cache_salt` namespace (`radixkv.cache.salt`), so that a prefix cached under one salt
+        never draws another salt's requests."""
         try:
             if path == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate_json(body)
                 if self.tokenizer is None or self.tokenizer.chat_template is None:
                     return []
                 messages = [{"role": m.role, "content": m.text} for m in chat.messages]
-                return render_chat(self.tokenizer, messages, {})
-            prompt = CompletionRequest.model_validate_json(body).prompts[0]
+                return salted(render_chat(self.tokenizer, messages, {}), salt_offset(chat.cache_salt))
+            completion = CompletionRequest.model_validate_json(body)
+            prompt = completion.prompts[0]
         except (ValidationError, APIError, ValueError, IndexError):
             return []
-        if isinstance(prompt, list):
-            return prompt
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if self.tokenizer else []
+        if not isinstance(prompt, list):
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False) if self.tokenizer else []
+        return salted(prompt, salt_offset(completion.cache_salt))
 
 
 async def _forwarded(request: Request) -> Forwarded:

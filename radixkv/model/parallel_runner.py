@@ -197,10 +197,14 @@ class ParallelRunner:
         self._transfer("load", src, dst)
 
     def close(self) -> None:
-        """Stops every worker (idempotent). Later steps raise TensorParallelError."""
+        """Stops every worker and frees rank 0's KV cache and the group's rendezvous store
+        (idempotent). Later steps raise TensorParallelError."""
         if self._dead is None:
             self._dead = TensorParallelError("the tensor-parallel engine is closed")
         self._finalizer()
+        if self.local is not None:
+            self.local.close()
+        self._group = self._store = None  # their sockets close with the last reference
 
     # ---------------------------------------------------------------- internals
 

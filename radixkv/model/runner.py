@@ -93,6 +93,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
         self.k_caches = list(self.kv_cache[0].unbind(0))
         self.v_caches = list(self.kv_cache[1].unbind(0))
+        self.closed = False
         self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
         self.host = HostKVCache(num_host_blocks, self.kv_cache) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
@@ -121,13 +122,26 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture_all()
 
+    def close(self) -> None:
+        """Frees the KV cache, device and host (pinned) alike, the step buffers and the CUDA
+        graphs' memory; a later forward raises RuntimeError. Idempotent."""
+        self.closed = True
+        self.kv_cache = self.k_caches = self.v_caches = None
+        self.host = self.graphs = self.pending_load = self.last_load = None
+        self.batch = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """Compute and cache the chunks' KV; return float32 logits `[rows, vocab]`, rows in chunk order.
 
         Raises ValueError for an empty chunk, a block table too short for its tokens, a block id
-        outside the cache or a sequence longer than the model's `max_model_len`.
+        outside the cache or a sequence longer than the model's `max_model_len`, and
+        RuntimeError once the runner is closed.
         """
+        if self.closed:
+            raise RuntimeError("the model runner is closed")
         load = self.pending_load
         try:
             step = self.batch.prepare(chunks)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from radixkv.outputs import TokenLogprob
-from radixkv.sampling_params import SamplingParams
+from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -59,7 +59,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     sorted_logits = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    # Rank 0 stays whatever top_p is: a top_p below float32's range (1e-300) rounds to 0, and
+    # masking every token would turn the softmax into NaN.
+    outside = (mass_before >= top_p.unsqueeze(1)) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
@@ -83,7 +86,8 @@ def sample(
     """One next token per row of `logits [B, V]` (int64 `[B]`): row i follows `params[i]`.
 
     `generators[i]` is the seeded request's generator (`make_generator`) or None. Greedy rows
-    (temperature 0) take the argmax and consume no randomness.
+    (temperature below `GREEDY_BELOW_TEMPERATURE`) take the argmax and consume no randomness.
+    A `top_k` above the vocabulary keeps all of it.
     """
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(
@@ -91,7 +95,7 @@ def sample(
         )
     logits = logits.float()
     tokens = greedy(logits)
-    rows = [i for i, p in enumerate(params) if p.temperature != 0]  # `not p.greedy`, at half the cost
+    rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW_TEMPERATURE]  # `not p.greedy`
     if not rows:
         return tokens
     vocab = logits.shape[-1]
@@ -100,7 +104,7 @@ def sample(
     temperature = torch.tensor([p.temperature for p in chosen], device=device)
     scaled = logits[rows] / temperature.unsqueeze(1)
     if any(p.top_k != -1 or p.top_p < 1 for p in chosen):
-        top_k = torch.tensor([vocab if p.top_k == -1 else p.top_k for p in chosen], device=device)
+        top_k = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in chosen], device=device)
         top_p = torch.tensor([p.top_p for p in chosen], device=device)
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)

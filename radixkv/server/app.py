@@ -9,6 +9,12 @@ metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the 
 OpenAI's shape. While the application runs, a task closes the chat sessions idle past their
 timeout. When it shuts down (after uvicorn's graceful period), the engine aborts what is still
 going and stops its loop thread.
+
+Hostile traffic: a body over `max_request_bytes` is a 413, answered from its Content-Length
+before any of it is read, or as soon as a chunked upload passes the limit; a client that leaves
+mid-upload is one INFO line. Every response carries `x-request-id`, and an unexpected error is
+logged under it and answered without its text (`radixkv.server.request_ids`). `/health` answers
+503 once the engine's loop has died, so that a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,33 +31,49 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from radixkv.server import handlers
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
 from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.request_ids import RequestIds, request_id
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
-from radixkv.server.state import ServerState
+from radixkv.server.state import CACHE_ISOLATION, ServerState, api_keys, prompt_char_limit
 
 log = logging.getLogger("radixkv.server")
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def build_app(
     engine: Any,
     model_name: str,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_waiting: int | None = None,
     session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cache_isolation: str = "shared",
 ) -> FastAPI:
     """The application serving `engine` (an `AsyncEngine`) as `model_name`; it shuts the engine
-    down when it stops. Chat sessions idle for `session_idle_timeout_s` are closed (0 or None:
-    only by `DELETE /v1/sessions/{id}`)."""
+    down when it stops. `api_key`: one key or several; a key that is not printable ASCII is a
+    ValueError (no HTTP header could carry it, so it could never match). `cache_isolation`
+    "per-key" gives each key a cache namespace of its own. Chat sessions idle for
+    `session_idle_timeout_s` are closed (0 or None: only by `DELETE /v1/sessions/{id}`)."""
+    keys = api_keys(api_key)
+    if cache_isolation not in CACHE_ISOLATION:
+        raise ValueError(f"cache_isolation must be one of {CACHE_ISOLATION}, got {cache_isolation!r}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     replies = ReplyStore(engine.tokenizer) if engine.tokenizer is not None else None
     sessions = SessionTracker(engine.close_session, session_idle_timeout_s)
-    state = ServerState(engine, model_name, api_key, max_waiting, replies, sessions, created=int(time.time()))
-    render_metrics = exposition(engine.metrics)
+    state = ServerState(
+        engine, model_name, keys, max_waiting, replies, sessions, created=int(time.time()),
+        max_prompt_chars=prompt_char_limit(engine.tokenizer, engine.max_model_len),
+        cache_isolation=cache_isolation,
+    )
+    render_metrics = exposition(lambda: {**engine.metrics(), "open_sessions": len(sessions)})
 
     async def expire_sessions(every_s: float) -> None:
         while True:
@@ -73,6 +95,7 @@ def build_app(
 
     app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.radixkv = state
+    app.add_middleware(RequestIds)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -81,22 +104,25 @@ def build_app(
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {}))
+        return error.response()  # a 405's `Allow` header included
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        body = await _read_body(request, max_request_bytes)
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation(e) from e
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await _parse(request, CompletionRequest))
+        key = state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await parse(request, CompletionRequest), key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await _parse(request, ChatCompletionRequest))
+        key = state.authorize(request.headers.get("authorization"))
+        return await handlers.create(state, request, await parse(request, ChatCompletionRequest), key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -124,8 +150,10 @@ def build_app(
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if not engine.is_alive():
+            return JSONResponse({"status": "engine dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -134,8 +162,25 @@ def build_app(
     return app
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to pass `limit` bytes: from its Content-Length
+    before reading any of it, else while it streams in. A client gone mid-upload is logged once."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
     try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise from_validation(e) from e
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        log.info("request %s: the client disconnected during the upload", request_id(request.scope))
+        raise APIError(499, "the client disconnected") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    message = f"the body has {size} bytes or more; this server takes at most {limit}"
+    return APIError(413, message, type="invalid_request_error", code="too_large")

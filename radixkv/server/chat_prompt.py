@@ -20,37 +20,44 @@ from radixkv.server.protocol import ChatMessage
 
 
 class ReplyStore:
-    """The ids of the last `capacity` replies, by text; the oldest go first."""
+    """The ids of the last `capacity` replies, by cache namespace (`cache_salt`) and text; the
+    oldest go first. Kept apart by namespace, since whether a text splices in as other ids would
+    tell a client (through `prompt_tokens`) that another tenant was given that reply."""
 
     def __init__(self, tokenizer: Any, capacity: int = 4096) -> None:
         self.tokenizer = tokenizer
         self.capacity = capacity
-        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._ids: OrderedDict[tuple[str | None, str], list[int]] = OrderedDict()
         self._special = set(tokenizer.all_special_ids)
 
-    def add(self, text: str, token_ids: list[int]) -> None:
+    def add(self, text: str, token_ids: list[int], namespace: str | None = None) -> None:
         """Remembers a finished reply. A closing special token (EOS) is left out, since the chat
         template closes the turn itself; a reply whose ids do not decode to its text (a stop
         string cut it) is not kept, since splicing its ids would change the conversation."""
         ids = token_ids[:-1] if token_ids and token_ids[-1] in self._special else token_ids
         if not text or self.tokenizer.decode(ids, skip_special_tokens=True) != text:
             return
-        self._ids[text] = list(ids)
-        self._ids.move_to_end(text)
+        key = (namespace, text)
+        self._ids[key] = list(ids)
+        self._ids.move_to_end(key)
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
-    def get(self, text: str) -> list[int] | None:
-        return self._ids.get(text)
+    def get(self, text: str, namespace: str | None = None) -> list[int] | None:
+        return self._ids.get((namespace, text))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], replies: ReplyStore) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[ChatMessage], replies: ReplyStore, namespace: str | None = None
+) -> list[int]:
     """The prompt ids for a chat request: the template with the generation prompt, known
-    assistant replies as their generated ids."""
+    assistant replies of the same cache namespace as their generated ids."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError.bad_request("messages", "this model has no chat template: use /v1/completions")
     plain = [{"role": m.role, "content": m.text} for m in messages]
     known = {
-        i: ids for i, m in enumerate(plain) if m["role"] == "assistant" and (ids := replies.get(m["content"]))
+        i: ids
+        for i, m in enumerate(plain)
+        if m["role"] == "assistant" and (ids := replies.get(m["content"], namespace))
     }
     return render_chat(tokenizer, plain, known)

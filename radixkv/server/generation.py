@@ -23,6 +23,18 @@ from radixkv.server.responses import Choice, Usage
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class Tags:
+    """What every engine request of one HTTP request carries: its chat session (`session_id`)
+    and its cache namespace (`cache_salt`)."""
+
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    def engine_kwargs(self) -> dict[str, str | None]:
+        return {"session_id": self.session_id, "cache_salt": self.cache_salt}
+
+
 @dataclass(slots=True)
 class Finished:
     choices: list[Choice]
@@ -40,12 +52,12 @@ async def gather_all(awaitables: list[Awaitable[T]]) -> list[T]:
 
 
 async def run_sampling(
-    engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str, session_id: str | None
+    engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str, tags: Tags
 ) -> Finished:
     """Each prompt's `n` samples; choice `j * n + i` is prompt j's sample i."""
     outs = await gather_all(
         [
-            engine.generate(p, params, request_id=f"{request_id}-{j}", session_id=session_id)
+            engine.generate(p, params, request_id=f"{request_id}-{j}", **tags.engine_kwargs())
             for j, p in enumerate(prompts)
         ]
     )
@@ -60,12 +72,12 @@ async def run_sampling(
 
 
 async def run_beam_search(
-    engine: Any, prompts: list[list[int]], params: BeamSearchParams, request_id: str, session_id: str | None
+    engine: Any, prompts: list[list[int]], params: BeamSearchParams, request_id: str, tags: Tags
 ) -> Finished:
     """Each prompt's `beam_width` best beams, best first; choice `j * width + i`."""
     results = await gather_all(
         [
-            engine.beam_search(p, params, request_id=f"{request_id}-{j}", session_id=session_id)
+            engine.beam_search(p, params, request_id=f"{request_id}-{j}", **tags.engine_kwargs())
             for j, p in enumerate(prompts)
         ]
     )
@@ -101,14 +113,14 @@ class ChoiceStreams:
         make_params: Callable[[int], SamplingParams],
         n: int,
         request_id: str,
-        session_id: str | None = None,
+        tags: Tags,
     ) -> ChoiceStreams:
-        """Choice `j * n + i` streams prompt j with `make_params(i)`, every one tagged with
-        `session_id` when set. Raises ValueError on bad input."""
+        """Choice `j * n + i` streams prompt j with `make_params(i)`, every one with `tags`.
+        Raises ValueError on bad input."""
         streams = [
             (
                 j * n + i,
-                engine.stream(p, make_params(i), request_id=f"{request_id}-{j}-{i}", session_id=session_id),
+                engine.stream(p, make_params(i), request_id=f"{request_id}-{j}-{i}", **tags.engine_kwargs()),
             )
             for j, p in enumerate(prompts)
             for i in range(n)

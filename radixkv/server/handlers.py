@@ -21,12 +21,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from radixkv.errors import RequestError
+from radixkv.errors import EngineDeadError, RequestError
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
-from radixkv.server.generation import ChoiceStreams, Finished, run_beam_search, run_sampling
+from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
 from radixkv.server.params import beam_params, max_tokens, renames, sampling_params
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.request_ids import request_id as scope_request_id
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
 
@@ -36,17 +37,31 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaul
 
 
 async def create(
-    state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    key: str | None = None,
 ) -> Response:
+    """`key`: the API key the request came with (its cache namespace under per-key isolation)."""
     body.check_supported()
     state.check_model(body.model)
     chat = isinstance(body, ChatCompletionRequest)
     engine = state.engine
+    if not engine.is_alive():
+        raise _engine_dead()
+    tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
+    # Templates and tokenization run in worker threads, after a length check that needs neither:
+    # the event loop stays free for every other client however long a prompt is.
     if chat:
-        prompts = [chat_prompt_ids(engine.tokenizer, body.messages, state.replies)]
+        state.check_text_length(sum(len(m.text) for m in body.messages), "messages")
+        render = (chat_prompt_ids, engine.tokenizer, body.messages, state.replies, tags.cache_salt)
+        prompts = [await asyncio.to_thread(*render)]
         default = max(1, engine.max_model_len - len(prompts[0]))
     else:
-        prompts = [_prompt_ids(engine, p) for p in body.prompts]
+        for p in body.prompts:
+            if isinstance(p, str):
+                state.check_text_length(len(p), "prompt")
+        prompts = await asyncio.to_thread(lambda: [_prompt_ids(engine, p) for p in body.prompts])
         default = COMPLETIONS_MAX_TOKENS
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
@@ -62,16 +77,16 @@ async def create(
                 lambda i: sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
                 body.n,
                 request_id,
-                body.session_id,
+                tags,
             )
         else:
             params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
-    count = len(prompts) * (body.n if body.stream else 1)
-    state.admit(count, body.session_id)
+    count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
+    state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat)
+        events = _events(state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags)
 
         async def end_stream() -> None:
             state.release(count, body.session_id)
@@ -79,9 +94,10 @@ async def create(
 
         return _EventStream(events, end_stream)
     run = run_beam_search if body.use_beam_search else run_sampling
-    work = run(engine, prompts, params, request_id, body.session_id)
+    work = run(engine, prompts, params, request_id, tags)
     try:
-        finished = await _unless_disconnected(request, _engine_errors(work, body))
+        checked = _engine_errors(work, body, scope_request_id(request.scope))
+        finished = await _unless_disconnected(request, checked)
     finally:
         state.release(count, body.session_id)
     if finished is None:
@@ -89,7 +105,7 @@ async def create(
         return Response(status_code=499)
     if chat and state.replies is not None:
         for choice in finished.choices:
-            state.replies.add(choice.text, choice.token_ids)
+            state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
     return JSONResponse(fmt.response(finished.choices, finished.usage))
 
 
@@ -101,14 +117,33 @@ def _prompt_ids(engine: Any, prompt: str | list[int]) -> str | list[int]:
     return prompt
 
 
-async def _engine_errors(work: Awaitable[Finished], body: Any) -> Finished:
-    """Engine errors as API errors: a ValueError names the field (400), a failed step is a 500."""
+async def _engine_errors(work: Awaitable[Finished], body: Any, rid: str) -> Finished:
+    """Engine errors as API errors: a ValueError names the field (400), a failed step is a 500
+    (its cause logged under the request id, not sent), a dead engine a 503."""
     try:
         return await work
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     except RequestError as e:
-        raise APIError(500, str(e), type="server_error", code="engine_step_failed") from e
+        raise _step_failed(e, rid) from e
+    except EngineDeadError as e:
+        raise _engine_dead() from e
+
+
+def _step_failed(error: RequestError, rid: str) -> APIError:
+    """The client's side of a failed step: its type and the request id; the cause (whose text may
+    hold anything) goes to the log only."""
+    log.warning("request %s: an engine step failed under it", rid, exc_info=error)
+    cause = type(error.__cause__).__name__ if error.__cause__ is not None else "RequestError"
+    return APIError(
+        500, f"the engine step running this request failed ({cause}); quote request id {rid}",
+        type="server_error", code="engine_step_failed",
+    )
+
+
+def _engine_dead() -> APIError:
+    message = "the engine is not running; the server is going down"
+    return APIError(503, message, type="server_error", code="engine_dead")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Finished]) -> Finished | None:
@@ -134,9 +169,12 @@ async def _events(
     fmt: Formatter,
     include_usage: bool,
     chat: bool,
+    rid: str,
+    tags: Tags,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
-    chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event."""
+    chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event,
+    then `[DONE]`, as vLLM ends it."""
     opened: set[int] = set()
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -156,10 +194,13 @@ async def _events(
         yield "data: [DONE]\n\n"
         if chat and state.replies is not None:
             for index, pieces in texts.items():
-                state.replies.add("".join(pieces), ids[index])
+                state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
-        error = APIError(500, str(e), type="server_error", code="engine_step_failed")
-        yield _sse(error.body())
+        yield _sse(_step_failed(e, rid).body())
+        yield "data: [DONE]\n\n"
+    except EngineDeadError:
+        yield _sse(_engine_dead().body())
+        yield "data: [DONE]\n\n"
 
 
 class _EventStream(StreamingResponse):

@@ -1,8 +1,14 @@
 """`radixkv serve`: the engine behind an OpenAI-compatible HTTP server, until SIGTERM or Ctrl-C.
 
 Shutdown: on SIGTERM (or SIGINT) uvicorn stops accepting connections and lets the requests in
-flight finish for `--graceful-timeout` seconds; then it cancels what is left, which aborts those
-requests in the engine, and the application stops the engine. The process then exits 0.
+flight finish for `--graceful-timeout` seconds. Then the engine aborts what is still going, so
+that every open stream ends as a stream should (a finish chunk with finish_reason "abort", then
+`[DONE]`), and uvicorn, whose own deadline comes `STREAM_CLOSE_GRACE_S` later, finds them ended
+rather than cutting them off. The application stops the engine and the process exits 0.
+
+Keys: `--api-key` may be given several times and `--api-key-file` names a file of keys, one a
+line (blank lines and `#` comments skipped); keys must be printable ASCII, checked before the
+model loads. `--cache-isolation per-key` gives each key a cache namespace of its own.
 
 Chat sessions (the `session_id` extra) end after `--session-idle-timeout` idle seconds or at
 `DELETE /v1/sessions/{id}` (`radixkv.server.sessions`).
@@ -11,11 +17,34 @@ Chat sessions (the `session_id` extra) end after `--session-idle-timeout` idle s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
+from pathlib import Path
+from typing import Any
 
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S
+from radixkv.server.state import CACHE_ISOLATION, api_keys
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
+
+STREAM_CLOSE_GRACE_S = 2.0
+"""After the engine aborts what runs at the end of `--graceful-timeout`, the seconds its streams
+get to send their last chunks before uvicorn cancels them."""
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+
+def read_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--api-key` values and `--api-key-file` lines, checked (`state.api_keys`): a ValueError
+    before the model loads rather than a server whose keys can never match."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        for line in Path(args.api_key_file).read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+        if len(keys) == len(args.api_key or []):
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    return api_keys(keys)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument(
+        "--api-key", action="append", default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (repeatable: any of the keys)",
+    )
+    parser.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
+    parser.add_argument(
+        "--cache-isolation", choices=CACHE_ISOLATION, default="shared",
+        help="per-key: each API key's requests share cached prefixes only with each other",
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="answer 413 to a larger request body (default 8 MiB)",
+    )
     parser.add_argument(
         "--max-waiting",
         type=int,
         default=None,
-        help="answer 503 while this many requests wait (default: no limit)",
+        help="answer 503 while this many sequences (prompts x n) wait (default: no limit)",
     )
     parser.add_argument(
         "--graceful-timeout",
@@ -55,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
     if not args.session_idle_timeout >= 0:
         raise ValueError(f"--session-idle-timeout must be >= 0, got {args.session_idle_timeout}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    keys = read_api_keys(args)
     import uvicorn
 
     from radixkv import AsyncEngine
@@ -66,17 +110,32 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         args.served_model_name or args.model,
-        api_key=args.api_key,
+        api_key=keys,
         max_waiting=args.max_waiting,
         session_idle_timeout_s=args.session_idle_timeout,
+        max_request_bytes=args.max_request_bytes,
+        cache_isolation=args.cache_isolation,
     )
-    server = uvicorn.Server(
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, ending open streams at the graceful deadline (module docstring)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit and hasattr(self, "loop"):
+                self.loop.call_soon_threadsafe(self.loop.call_later, args.graceful_timeout, engine.abort_all)
+            super().handle_exit(sig, frame)
+
+    server = Server(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.graceful_timeout,
+            timeout_graceful_shutdown=args.graceful_timeout + STREAM_CLOSE_GRACE_S,
         )
     )
     # uvicorn raises the signal that stopped it again once it is done, through the handlers in

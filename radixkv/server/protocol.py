@@ -1,26 +1,44 @@
 """The request bodies of the OpenAI API as radixkv serves them, checked before the engine sees them.
 
-Types are strict (a string where a number belongs, `true` where an integer belongs, a float where
-an integer belongs: all refused), so a malformed body fails here with the field named, never inside
-an engine step. Ranges are the engine's own (`SamplingParams.validate`), checked at submission and
-mapped to a 400 naming the parameter (`radixkv.server.errors`), so there is one place that decides
-what is in range. OpenAI fields radixkv does not implement are accepted at their default values
-and refused with a 400 naming them otherwise, rather than silently ignored; unknown fields are
-ignored, as OpenAI's own server does.
+Types are strict (a string where a number belongs, `true` where an integer belongs, a fractional
+float where an integer belongs: all refused; an integral float such as `1.0` is taken as its integer,
+as vLLM does), and integers are bounded by int64 (`n` at least 1, `seed` by what a generator takes),
+so a malformed body fails here with the field named, never inside an engine step. Ranges are the
+engine's own (`SamplingParams.validate`), checked at submission and mapped to a 400 naming the
+parameter (`radixkv.server.errors`), so there is one place that decides what is in range. OpenAI
+fields radixkv does not implement are accepted at their default values and refused with a 400
+naming them otherwise, rather than silently ignored; unknown fields are ignored, as OpenAI's own
+server does.
 
 Extras beside OpenAI's fields, spelled as vLLM spells them: `top_k`, `ignore_eos`,
 `stop_token_ids`, `use_beam_search` (with `n` beams, `length_penalty`, `early_stopping`),
-`return_tokens_as_token_ids` (logprob tokens as "token_id:N"), and `session_id` (the request is
-a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`).
+`return_tokens_as_token_ids` (logprob tokens as "token_id:N"), `session_id` (the request is
+a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`), and
+`cache_salt` (the request shares cached blocks only with requests of the same salt).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from radixkv.sampling_params import INT64_MAX, SEED_RANGE
 from radixkv.server.errors import APIError
+
+
+def _integral(value: object) -> object:
+    """An integral float (`1.0`) as the integer it spells, as vLLM takes it; everything else goes
+    on to strict validation, which refuses `1.5`, `true` and `"1"` naming the field."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+"""An integer field: int64 at most, so nothing overflows a tensor inside a step."""
+Count = Annotated[int, BeforeValidator(_integral), Field(ge=1, le=INT64_MAX)]
+Seed = Annotated[int, BeforeValidator(_integral), Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 
 
 class StreamOptions(BaseModel):
@@ -35,12 +53,12 @@ class _Common(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
+    n: Count = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,14 +68,15 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # Extras.
-    top_k: int = -1
+    top_k: Int64 = -1
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     return_tokens_as_token_ids: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # see server.sessions
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # a cache namespace
 
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""
@@ -88,10 +107,10 @@ class CompletionRequest(_Common):
     `logprobs` k returns each token's logprob and its k most likely alternatives."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     def check_supported(self) -> None:
         if self.echo:
@@ -138,7 +157,7 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict] | None = None
     response_format: dict | None = None
 

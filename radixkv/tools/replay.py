@@ -19,7 +19,7 @@ import heapq
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
+from radixkv.errors import RequestError
 from radixkv.sampling_params import SamplingParams
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
 from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
@@ -62,11 +63,15 @@ class TurnRecord:
 
 @dataclass(slots=True)
 class RunResult:
+    """A replay's turns. `failed` describes each turn whose request failed (its session stops
+    there: the next turn's prompt would need the reply); the others are `records`."""
+
     records: list[TurnRecord]
     wall_s: float
     metrics: dict[str, Any]
     kv_usage_peak: float
     kv_utilization: float
+    failed: list[str] = field(default_factory=list)
 
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
@@ -86,6 +91,7 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
     heapq.heapify(due)
     in_flight: dict[str, tuple[int, int, float]] = {}
     records: list[TurnRecord] = []
+    failed: list[str] = []
     bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
     start = time.perf_counter()
     while due or in_flight:
@@ -99,13 +105,19 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
             continue
-        touched = engine.step()
+        engine.step()
         usage.sample(engine)
-        for request in touched:
-            if not engine.is_finished(request.request_id):
+        for request_id in [r for r in in_flight if engine.is_finished(r)]:
+            i, k, t = in_flight.pop(request_id)
+            try:
+                request = engine.take(request_id)
+            except RequestError as error:  # failed in a step: reported, and its session stops
+                failed.append(f"{sessions[i].name} turn {k}: {error}")
+                engine.close_session(sessions[i].name)
+                if bar is not None:
+                    bar.update(len(sessions[i].turns) - k)
                 continue
-            i, k, t = in_flight.pop(request.request_id)
-            out = engine.output(request.request_id)
+            out = engine.result_of(request)
             convs[i].add_reply(out.token_ids, out.text)
             done_s = request.finish_time - start
             records.append(
@@ -129,11 +141,11 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return RunResult(records, wall, engine.metrics(), usage.peak, usage.utilization)
+    return RunResult(records, wall, engine.metrics(), usage.peak, usage.utilization, failed)
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
-    """A run as the report's `RUN` object (see CONTRACTS.md)."""
+    """A run as the report's `RUN` object (docs/reference.md)."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     cached = sum(r.cached_tokens for r in recs)
@@ -156,6 +168,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "evicted_blocks": m["num_evicted_blocks"],
         "cow_copies": m["num_cow_copies"],
         "host_hit_rate": m["host_cache_hits"] / prompt if prompt else 0.0,
+        "failed_requests": len(result.failed),
     }
 
 
@@ -326,6 +339,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("KV usage peak", "{:.3f}", lambda r: r["kv_usage_peak"]),
         ("KV utilization", "{:.3f}", lambda r: r["kv_utilization"]),
         ("preemptions", "{:d}", lambda r: r["preemptions"]),
+        ("failed requests", "{:d}", lambda r: r["failed_requests"]),
         ("evicted blocks", "{:d}", lambda r: r["evicted_blocks"]),
         ("COW copies", "{:d}", lambda r: r["cow_copies"]),
     ]

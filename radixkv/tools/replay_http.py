@@ -150,6 +150,7 @@ def replay_url(
     model = server.served_model()
     before = server.counters()
     records: list[TurnRecord] = []
+    failed: list[str] = []  # a turn the server failed: its session stops there
     lock = threading.Lock()
     bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
     start = time.perf_counter()
@@ -175,15 +176,24 @@ def replay_url(
                 "stream_options": {"include_usage": True},
                 "session_id": session.name,
             }
+            try:
+                if conv is not None:
+                    body.update(prompt=conv.prompt(turn.user), logprobs=0, return_tokens_as_token_ids=True)
+                    reply = _send(server, "/v1/completions", body)
+                else:
+                    body["messages"] = [*history, {"role": "user", "content": turn.user}]
+                    reply = _send(server, "/v1/chat/completions", body)
+            except (ValueError, OSError, http.client.HTTPException) as error:
+                with lock:
+                    failed.append(f"{session.name} turn {k}: {error}")
+                    if bar is not None:
+                        bar.update(len(session.turns) - k)
+                return
             if conv is not None:
-                body.update(prompt=conv.prompt(turn.user), logprobs=0, return_tokens_as_token_ids=True)
-                reply = _send(server, "/v1/completions", body)
                 if reply.token_ids is None:
                     raise ValueError("the server did not return token ids (return_tokens_as_token_ids)")
                 conv.add_reply(reply.token_ids, reply.text)
             else:
-                body["messages"] = [*history, {"role": "user", "content": turn.user}]
-                reply = _send(server, "/v1/chat/completions", body)
                 history += [
                     {"role": "user", "content": turn.user},
                     {"role": "assistant", "content": reply.text},
@@ -216,7 +226,7 @@ def replay_url(
         bar.close()
     after = server.counters()
     metrics = {key: int(after.get(key, 0) - before.get(key, 0)) for key in SERVER_COUNTERS}
-    return RunResult(records, wall, metrics, 0.0, 0.0)
+    return RunResult(records, wall, metrics, 0.0, 0.0, failed)
 
 
 def _send(server: Server, path: str, body: dict[str, Any]) -> Reply:

@@ -1,0 +1,73 @@
+"""Closing frees everything: 20 engines and 3 in-process servers, each built, used and closed,
+leave the process with the threads, open files, child processes and memory (RSS within 10%) it
+had before them."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+
+import httpx
+import pytest
+
+from radixkv import AsyncEngine, Engine, EngineConfig, SamplingParams
+from radixkv.server.app import build_app
+
+KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_seqs": 4}
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def snapshot() -> tuple[int, int, int, int]:
+    """(threads, open file descriptors, child processes, RSS bytes), after a collection."""
+    gc.collect()
+    pid = str(os.getpid())
+    children = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    children += stat.read().rsplit(")", 1)[1].split()[1] == pid
+            except OSError:  # it exited while we looked
+                pass
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return threading.active_count(), len(os.listdir("/proc/self/fd")), children, rss
+
+
+def use_engine(folder) -> None:
+    engine = Engine(EngineConfig(model=str(folder), **KW))
+    engine.generate([[1, 2, 3, 4, 5]], GREEDY)
+    engine.add_request([6, 7, 8], GREEDY)  # still going when it closes
+    engine.step()
+    engine.close()
+    assert engine.runner.kv_cache is None
+
+
+def use_server(folder) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(folder), **KW))
+        app = build_app(engine, "tiny", session_idle_timeout_s=1)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x")
+        async with app.router.lifespan_context(app), client as http:
+            reply = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3})
+            assert reply.status_code == 200
+        assert not engine.loop_thread.is_alive()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_closing_engines_and_servers_returns_every_resource(model_folders):
+    folder = model_folders["llama"]
+    use_engine(folder)  # first uses load what stays for the process's life (kernels, imports)
+    use_server(folder)
+    threads, fds, children, rss = snapshot()
+    for _ in range(20):
+        use_engine(folder)
+    for _ in range(3):
+        use_server(folder)
+    after = snapshot()
+    assert after[:3] == (threads, fds, children), f"before {(threads, fds, children)}, after {after[:3]}"
+    assert after[3] <= rss * 1.1, f"RSS grew from {rss >> 20} MiB to {after[3] >> 20} MiB"
