@@ -182,5 +182,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: int, limit: int) -> APIError:
+    """A 413 that also closes the connection: the server reads no more of the body, where
+    keeping the connection would mean receiving (and discarding) the rest of it first."""
     message = f"the body has {size} bytes or more; this server takes at most {limit}"
-    return APIError(413, message, type="invalid_request_error", code="too_large")
+    return APIError(
+        413, message, type="invalid_request_error", code="too_large", headers={"Connection": "close"}
+    )
