@@ -38,6 +38,7 @@ from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling_params import sample_seed
 
 
 class StepOutcome(NamedTuple):
@@ -345,7 +346,7 @@ class Scheduler:
         generator (seeded from the request's seed and k) when the request is seeded."""
         generator = None
         if seq.generator is not None:
-            generator = make_generator(seq.generator.initial_seed() + k, seq.generator.device)
+            generator = make_generator(sample_seed(seq.generator.initial_seed(), k), seq.generator.device)
         return seq.fork(self.kv.fork(seq.table), k, generator)
 
     def _append(self, request: Request, seq: Sequence, token: int) -> None:

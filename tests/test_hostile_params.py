@@ -12,6 +12,7 @@ a fault injected into one request's sampling or beam step fails that request and
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -255,8 +256,17 @@ def test_edge_values_that_are_valid_give_the_outputs_they_mean(server):
         assert status == 200 and _tokens(reply) == greedy, extra
     status, reply = _post(server, {**base, "n": 1.0, "temperature": 0})
     assert status == 200 and _tokens(reply) == greedy
-    seeded = {**base, "seed": 2**64 - 1}
-    assert _post(server, seeded)[1]["choices"] == _post(server, seeded)[1]["choices"]
+    seeded = {**base, "seed": 2**64 - 1, "n": 3}  # samples 1 and 2 wrap around to seeds 0 and 1
+    whole = _post(server, seeded)[1]["choices"]
+    assert whole == _post(server, seeded)[1]["choices"] and len(whole) == 3
+    status, streamed = _post(server, {**seeded, "stream": True})
+    assert status == 200 and streamed.endswith("data: [DONE]\n\n")
+    texts = ["", "", ""]
+    for line in streamed.splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in whole]
     whole, huge = (_post(server, {**base, "seed": 5, "top_k": k})[1] for k in (-1, 2**63 - 1))
     assert _tokens(whole) == _tokens(huge)
 

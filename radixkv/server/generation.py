@@ -3,10 +3,11 @@ Every engine request of an HTTP request carrying `session_id` is tagged with it.
 
 A completions batch is one engine request per prompt (`{id}-{j}`), all submitted together; a
 stream runs one engine request per choice, since the engine streams n == 1. Sample `i` of a
-seeded stream is seeded `seed + i`, as the engine seeds its own `n` forks, so a seeded request
-gives the same samples streamed or not. Every exit path ends the engine requests still going:
-an error in one, a cancelled handler (the client went away) and a closed stream all cancel the
-rest, and the engine aborts a request whose awaiting task is cancelled or whose stream closes.
+seeded stream is seeded `seed + i` (wrapped to uint64), as the engine seeds its own `n` forks,
+so a seeded request gives the same samples streamed or not. Every exit path ends the engine
+requests still going: an error in one, a cancelled handler (the client went away) and a closed
+stream all cancel the rest, and the engine aborts a request whose awaiting task is cancelled or
+whose stream closes.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.errors import EngineDeadError, RequestError
+from radixkv.sampling_params import SamplingParams, sample_seed
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
 from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
@@ -71,10 +72,14 @@ async def create(
             if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
                 raise ValueError(f"n {body.n} exceeds max_num_seqs {engine.config.max_num_seqs}")
             seed = body.seed
+
+            def sample_params(i: int) -> SamplingParams:
+                return sampling_params(body, tokens, n=1, seed=None if seed is None else sample_seed(seed, i))
+
             streams = ChoiceStreams.open(
                 engine,
                 prompts,
-                lambda i: sampling_params(body, tokens, n=1, seed=None if seed is None else seed + i),
+                sample_params,
                 body.n,
                 request_id,
                 tags,
