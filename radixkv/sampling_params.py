@@ -26,9 +26,10 @@ def sample_seed(seed: int, k: int) -> int:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this is greedy, as in vLLM: dividing logits by 1e-45 overflows them to
 infinities, and a softmax of infinities is NaN."""
-MAX_LENGTH_PENALTY = 32.0
-"""Beam scores divide by `length ** length_penalty`; within +-32 that stays finite and nonzero for
-every length up to 2**20 tokens (32 x ln 2**20 = 444 < ln(float max) = 709)."""
+MAX_LENGTH_PENALTY = 5.0
+"""Beam scores (float32 sums of logprobs) divide by `length ** length_penalty`; within +-5 a score
+as large as 1e8 stays below float32's 3.4e38 for every length up to 2**20 tokens
+(1e8 x 2**100 = 1.3e38); past it a long beam's score overflows to infinity."""
 
 
 def _is_int(value: object) -> bool:

@@ -80,9 +80,11 @@ def test_every_length_penalty_is_refused_or_scores_beams_finitely(length_penalty
     except ValueError as error:
         assert str(error).startswith("length_penalty")
         return
-    # The bound's claim: within it the length factor stays finite and nonzero up to 2**20 tokens.
-    assert 0 < float(2**20) ** length_penalty < math.inf
-    assert float(2**20) ** -abs(length_penalty) > 0 and abs(params.length_penalty) <= MAX_LENGTH_PENALTY
+    # The bound's claim: a float32 score of 1e8 over any length up to 2**20 stays finite.
+    for length in (1, 2, 2**20):
+        score = torch.tensor(-1e8, dtype=torch.float32) / (float(length) ** length_penalty)
+        assert torch.isfinite(score)
+    assert abs(params.length_penalty) <= MAX_LENGTH_PENALTY
     search = BeamSearch(params, [VOCAB - 1], 4)
     outputs: list[list[int]] = [[]]
     for step in range(4):
