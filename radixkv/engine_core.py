@@ -514,16 +514,16 @@ class EngineCore:
             raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:  # before the scan below: a huge prompt is refused at once
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+            )
         vocab = self.vocab_size
         bad = next(
             (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
         )
         if bad is not None:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
-            )
         return ids
 
     def _check_params(self, params: Params) -> None:
