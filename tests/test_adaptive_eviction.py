@@ -196,7 +196,7 @@ def test_simulate_writes_the_window_trajectory(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     rows = [
         {"timestamp": i, "input_length": 4 * len(ids), "output_length": 1, "hash_ids": ids}
-        for i, ids in enumerate(random_hash_trace(rng, 300))
+        for i, ids in enumerate(random_hash_trace(rng, 120))
     ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "window.jsonl"
