@@ -15,7 +15,7 @@ from random_runs import run_length
 
 from radixkv.cache import radix_cache
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
-from radixkv.cache.eviction import make_policy
+from radixkv.cache.eviction import Adaptive, EvictionPolicy, make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
@@ -38,7 +38,7 @@ class Harness:
         block_size: int,
         num_blocks: int,
         seed: int,
-        policy: str = "lru",
+        policy: str | EvictionPolicy = "lru",
         host_blocks: int = 0,
         write_through: bool = False,
         exact: bool = True,
@@ -55,7 +55,8 @@ class Harness:
         self.B = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.host = HostTier(host_blocks, block_size, write_through=write_through) if host_blocks else None
-        self.cache = RadixCache(self.pool, make_policy(policy), self.host)
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.cache = RadixCache(self.pool, policy, self.host)
         self.kv = KVCacheManager(self.pool, self.cache, "swap" if host_blocks else "recompute")
         self.owners = iter(range(10**9))
         self.swapped: list[tuple[int, list[int], str | None]] = []  # (owner, computed tokens, salt)
@@ -261,10 +262,13 @@ class Harness:
 
 @pytest.mark.parametrize(
     ("block_size", "seed", "policy"),
-    [(1, 0, "lru"), (16, 1, "lru"), (64, 2, "lru"), (4, 3, "lru"), (4, 4, "gdsf"), (16, 5, "session")],
+    [(1, 0, "lru"), (16, 1, "lru"), (64, 2, "lru"), (4, 3, "lru"), (4, 4, "gdsf"), (16, 5, "session")]
+    + [(1, 6, "adaptive"), (4, 7, "adaptive-small-window"), (16, 8, "adaptive-small-window")],
 )
 def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
+    if policy == "adaptive-small-window":  # duels at almost every eviction, from the start
+        policy = Adaptive(window=0.1)
     h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
     run(h, run_length(5000))
 
@@ -276,12 +280,16 @@ def test_random_operations_match_the_naive_reference(block_size, seed, policy):
         (16, 11, "gdsf", 25, False),
         (1, 12, "lru", 150, True),
         (4, 13, "session", 9, True),
+        (4, 14, "adaptive", 40, False),
+        (16, 15, "adaptive", 25, True),
     ],
 )
 def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
     block_size, seed, policy, host_blocks, write_through
 ):
     """Fake KV written per slot survives offload and load-back bit for bit, on both tiers."""
+    if policy == "adaptive":  # duels from the start
+        policy = Adaptive(window=0.1)
     h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
     run(h, run_length(4000))
     host = h.host

@@ -135,6 +135,7 @@ class RadixCache:
         self.pool = pool
         self.block_size = pool.block_size
         self.policy = policy or LRU()
+        self.policy.sized(pool.num_blocks, pool.block_size)
         self.host = host
         if host is not None and host.pool.block_size != pool.block_size:
             raise ValueError("the host tier's block size must be the device pool's")
@@ -272,6 +273,7 @@ class RadixCache:
         host copy yet) and the node stays in the tree."""
         freed = 0
         while freed < num_blocks and self._leaves:
+            self.policy.arrange(self._leaves, self._refresh)
             leaf = self._leaves[0]
             self._detach(leaf)
             self.policy.evicted(leaf)
@@ -456,6 +458,7 @@ class RadixCache:
         keys = [self._leaf_key(n) for n in self._leaves]
         if keys != sorted(keys):
             raise InvariantError("evictable leaves are out of order")
+        self.policy.check_leaves(self._leaves)
         keys = [self._host_key(n) for n in self._host_nodes]
         if keys != sorted(keys):
             raise InvariantError("host-evictable nodes are out of order")
@@ -484,6 +487,7 @@ class RadixCache:
         if node.in_leaf_set:
             self._leaves.remove(node)
             node.in_leaf_set = False
+            self.policy.left(node)
         if node.in_host_set:
             self._host_nodes.remove(node)
             node.in_host_set = False
@@ -495,6 +499,7 @@ class RadixCache:
         if not node.in_leaf_set and self._device_evictable(node):
             self._leaves.add(node)
             node.in_leaf_set = True
+            self.policy.entered(node)
         if not node.in_host_set and self.host is not None and self._host_evictable(node):
             self._host_nodes.add(node)
             node.in_host_set = True

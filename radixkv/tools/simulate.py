@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
-from radixkv.cache.eviction import POLICIES, make_policy
+from radixkv.cache.eviction import POLICIES, Adaptive, make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
 from radixkv.cache.offline_optimal import OfflineOptimal
@@ -57,14 +57,16 @@ class SimulationResult:
     tokens_per_s: float  # prompt tokens matched and inserted per second, this cache's speed
     host_blocks: int | None = None  # with a host tier
     host_hit_tokens: int | None = None  # the part of hit_tokens loaded from the host tier
+    window_trajectory: tuple[tuple[int, float], ...] = ()  # `adaptive`: (ghost hits, window share)
 
     def as_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "window_trajectory"}
 
 
 class Hits(NamedTuple):
     tokens: int  # prompt tokens found in the cache
     host_tokens: int  # of them, those loaded back from the host tier
+    window_trajectory: tuple[tuple[int, float], ...] = ()  # the `adaptive` policy's window
 
 
 def requests_from_trace(path: str | Path, hash_block: int) -> list[CacheRequest]:
@@ -159,7 +161,8 @@ def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptim
         if req.closes_session:
             kv.close_session(req.session)
     kv.run_transfers(NO_DATA)
-    return Hits(hits, host_hits)
+    policy = kv.cache.policy
+    return Hits(hits, host_hits, tuple(policy.trajectory) if isinstance(policy, Adaptive) else ())
 
 
 def ideal_hit_rate(requests: list[CacheRequest], block_size: int) -> float:
@@ -200,6 +203,7 @@ def simulate(
                 tokens_per_s=prompt_tokens / seconds,
                 host_blocks=host_blocks,
                 host_hit_tokens=hits.host_tokens if host_blocks is not None else None,
+                window_trajectory=hits.window_trajectory,
             )
         )
     return results
@@ -239,6 +243,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"with --replicas: one or more of {','.join(ROUTERS)}, comma-separated",
     )
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument(
+        "--trajectory",
+        type=Path,
+        help="write the adaptive policy's window share over time here (JSONL, one line per capacity)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     results = simulate(
         requests, args.capacity_blocks, args.block_size, args.eviction, args.host_blocks, args.write_through
     )
+    if args.trajectory is not None:
+        write_trajectories(args.trajectory, results)
     if args.json:
         rows = [r.as_json() for r in results]
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
@@ -264,6 +275,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(path.name, results)
     return 0
+
+
+def write_trajectories(path: Path, results: list[SimulationResult]) -> None:
+    """One JSON line per `adaptive` run: its capacity and `[ghost hits, window share]` pairs."""
+    with path.open("w", encoding="utf-8") as f:
+        for r in results:
+            if r.eviction == Adaptive.name:
+                row = {"capacity_blocks": r.capacity_blocks, "window_share": list(r.window_trajectory)}
+                f.write(json.dumps(row) + "\n")
 
 
 def print_table(name: str, results: list[SimulationResult]) -> None:

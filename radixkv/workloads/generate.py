@@ -195,6 +195,8 @@ class DocsParams:
     preambles and kept in pool order, so preambles that pick the same first examples share that
     prefix and then branch. A question names its context (`doc<k>.q<j>`, `fewshot<k>.q<j>`); a
     repeat (`<original>.r<j>`) resends an earlier question's exact ids, a whole-prompt cache hit.
+    With `--one-off P` a new question brings, with chance P, a fresh document of its own
+    (`oneoff<j>.q<j>`): blocks used once (or by its repeats), the shape that admission filters.
     """
 
     documents: Annotated[int, Flag("number of long documents", minimum=0)] = 4
@@ -206,6 +208,9 @@ class DocsParams:
     question_tokens: Annotated[IntRange, Flag("tokens per question, MIN-MAX", minimum=1)] = (16, 64)
     answer_tokens: Annotated[IntRange, Flag("max_tokens per answer, MIN-MAX", minimum=1)] = (32, 128)
     repeat: Annotated[float, Flag("chance a question repeats an earlier one", minimum=0, maximum=1)] = 0.25
+    one_off: Annotated[
+        float, Flag("chance a new question comes with a document of its own, read once", minimum=0, maximum=1)
+    ] = 0.0
     rate: Annotated[float, Flag("question arrivals per second (Poisson; inf: all at 0)")] = 2.0
     seed: Annotated[int, Flag("random seed")] = 0
     vocab_size: Annotated[int, Flag("token ids are drawn below this")] = 256
@@ -236,7 +241,10 @@ def generate_docs(p: DocsParams) -> list[Session]:
                 Session(f"{first.name}.r{j}", [Turn(list(turn.user), turn.max_tokens)], arrival, first.system)
             )
             continue
-        name, context = contexts[int(rng.integers(len(contexts)))]
+        if p.one_off and rng.random() < p.one_off:
+            name, context = f"oneoff{j}", vocab.draw(rng, _uniform(rng, p.document_tokens))
+        else:
+            name, context = contexts[int(rng.integers(len(contexts)))]
         turn = Turn(vocab.draw(rng, _uniform(rng, p.question_tokens)), _uniform(rng, p.answer_tokens))
         originals.append(Session(f"{name}.q{j}", [turn], arrival, context))
         sessions.append(originals[-1])
