@@ -36,13 +36,14 @@ def snapshot() -> tuple[int, int, int, int]:
     return threading.active_count(), len(os.listdir("/proc/self/fd")), children, rss
 
 
-def use_engine(folder) -> None:
+def use_engine(folder) -> Engine:
     engine = Engine(EngineConfig(model=str(folder), **KW))
     engine.generate([[1, 2, 3, 4, 5]], GREEDY)
     engine.add_request([6, 7, 8], GREEDY)  # still going when it closes
     engine.step()
     engine.close()
     assert engine.runner.kv_cache is None
+    return engine
 
 
 def use_server(folder) -> None:
@@ -64,10 +65,10 @@ def test_closing_engines_and_servers_returns_every_resource(model_folders):
     use_engine(folder)  # first uses load what stays for the process's life (kernels, imports)
     use_server(folder)
     threads, fds, children, rss = snapshot()
-    for _ in range(20):
-        use_engine(folder)
+    closed = [use_engine(folder) for _ in range(20)]  # kept: close(), not collection, must free them
     for _ in range(3):
         use_server(folder)
     after = snapshot()
+    assert len(closed) == 20
     assert after[:3] == (threads, fds, children), f"before {(threads, fds, children)}, after {after[:3]}"
     assert after[3] <= rss * 1.1, f"RSS grew from {rss >> 20} MiB to {after[3] >> 20} MiB"
