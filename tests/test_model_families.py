@@ -2,8 +2,9 @@
 
 The sliding-window presets (Gemma 2 and 3, Phi-3) have a 32-token window, so prompts and outputs
 run past it: prefix hits that end past the window, copy-on-write between beams and recompute after
-preemption all meet windowed and soft-capped attention. The fast tests check each family briefly;
-the slow ones run prompts and outputs several windows long.
+preemption all meet windowed and soft-capped attention. The fast tier checks each family's logits
+over two runner steps and Mistral in the engine; the slow tests run every family in the engine,
+with prompts and outputs several windows long.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
 FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-mixtral", "tiny-qwen2-moe"]
 FAMILIES.append("tiny-qwen3-moe")
 WINDOWED = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
-FAST = ["tiny-gemma2"]
-"""The families whose engine test runs in the fast tier (windows with soft-capping); every family's
-logits are checked there (`test_prefill_then_extend_past_the_window_gives_transformers_logits`)."""
-SLOW = pytest.mark.slow
 
 
 def oracle(name: str) -> LoadedModel:
@@ -86,7 +83,8 @@ def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str
     torch.testing.assert_close(torch.cat([first, second]), expected, atol=4e-3, rtol=0)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else SLOW) for n in FAMILIES])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_past_the_window_with_a_prefix_hit_equals_transformers(name: str) -> None:
     """A prompt past the window, then the same conversation extended: its prefix hit ends past the window."""
     model = oracle(name).model
