@@ -9,7 +9,9 @@ share one KV head (so K and V are read once per item, whatever the GQA ratio). A
 `items` items as the batch dimension of every tile (q [items, rows, D], K/V [items, block_n, D],
 scores [items, rows, block_n]) and walks their keys `block_n` at a time, gathering K/V rows through
 the block table, with the online softmax in float32 (exp2 on pre-scaled scores). Key steps that lie
-below every item's first query position skip the causal mask. With split-KV each program covers one
+below every item's first query position skip the causal mask. A sliding window (per call, so per
+layer) starts the walk at the lowest key any item's window reaches and masks keys before each
+row's window; a logit cap is applied to the scores before the mask. With split-KV each program covers one
 range of keys and a second kernel merges the ranges by their log-sum-exp.
 
 Reductions call tl.reduce with triton.language.standard's own combine functions rather than tl.max
@@ -40,17 +42,18 @@ from radixkv.kernels.launch_plan import (
 LOG2E = 1.4426950408889634
 
 
-@dual_jit(do_not_specialize=("num_items", "kv_per_split", "stride_bt"))
+@dual_jit(do_not_specialize=("num_items", "kv_per_split", "stride_bt", "window"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
-    qk_scale, num_items, kv_per_split,
+    qk_scale, cap_in, cap_out, window, num_items, kv_per_split,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ITEMS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FLAT_LOADS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_P
     # int64 indices throughout: the interpreter checks every int32 add and mul for overflow (7 extra
@@ -69,6 +72,17 @@ def _paged_attention_kernel(
     kv_max = tl.reduce(kv_end, 0, tl.standard._elementwise_max)
     first_pos = tl.where(live, q_first + shift + 1, kv_max)
     unmasked_end = tl.minimum(tl.reduce(first_pos, 0, tl.standard._elementwise_min), kv_max)
+    kv_lo = tl.program_id(1).to(tl.int64) * kv_per_split
+    if WINDOW:
+        # An item's first query (position first_pos - 1) sees keys from first_pos - window on; keys
+        # below every item's first key are never read, so blocks wholly outside the window are
+        # skipped (their table entries may be anything). Below window_end some row needs the mask.
+        first_key = tl.maximum(first_pos - window, 0)
+        window_end = tl.reduce(tl.where(live, kv_end - window, 0), 0, tl.standard._elementwise_max)
+        lowest = tl.reduce(first_key, 0, tl.standard._elementwise_min)
+        kv_lo = tl.maximum(kv_lo, lowest // BLOCK_N * BLOCK_N)
+    else:
+        window_end = 0
 
     r = tl.arange(0, ROWS)
     t = q_first[:, None] + (r // GROUP_P)[None, :]
@@ -96,11 +110,14 @@ def _paged_attention_kernel(
     m_i = tl.full([ITEMS, ROWS], -1.0e30, tl.float32)
     l_i = tl.full([ITEMS, ROWS], 0.0, tl.float32)
     acc = tl.full([ITEMS, ROWS, HEAD_DIM_P], 0.0, tl.float32)
-    kv_lo = tl.program_id(1).to(tl.int64) * kv_per_split
-    for start in range(kv_lo, tl.minimum(kv_lo + kv_per_split, kv_max), BLOCK_N):
+    kv_hi = tl.minimum(tl.program_id(1).to(tl.int64) * kv_per_split + kv_per_split, kv_max)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        # Keys past an item's end re-read its last key (a stored slot); the causal mask drops them.
+        # Keys past an item's end re-read its last key, keys before its window its first key (stored
+        # slots both); the mask drops them.
         key = tl.minimum(n[None, :], last_key[:, None])
+        if WINDOW:
+            key = tl.maximum(key, first_key[:, None])
         block = tl.load(table_row[:, None] + key // BLOCK_SIZE, mask=live[:, None], other=0)
         rows = block.to(tl.int64) * stride_cb + (key % BLOCK_SIZE) * stride_cs + head_offset[:, None]
         k_ptrs = k_lanes + rows[:, :, None]
@@ -111,8 +128,16 @@ def _paged_attention_kernel(
         k = tl.reshape(tl.load(k_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
         v = tl.reshape(tl.load(v_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION)
-        if start + BLOCK_N > unmasked_end:
-            s = tl.where(n[None, None, :] <= pos_q[:, :, None], s, float("-inf"))
+        if SOFTCAP:
+            # q carries the plain scale here: s is the logit, capped as cap * tanh(s / cap) with
+            # tanh(x) = 1 - 2 / (exp(2x) + 1) (exact at both ends) and taken to base 2: cap_in is
+            # 2 * log2(e) / cap, cap_out cap * log2(e).
+            s = cap_out * (1.0 - 2.0 / (tl.exp2(s * cap_in) + 1.0))
+        if (start + BLOCK_N > unmasked_end) | (start < window_end):
+            visible = n[None, None, :] <= pos_q[:, :, None]
+            if WINDOW:
+                visible = visible & (n[None, None, :] > pos_q[:, :, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 2, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, :, None])
@@ -214,6 +239,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     launches: AttentionLaunches | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged KV; returns [T, Hq, D] in q's dtype.
 
@@ -224,9 +251,19 @@ def paged_attention(
     1/sqrt(D). The result is written into `out` when given. `launches`, from `plan_paged_attention`
     over the same batch, saves planning again (a model's layers share one plan per step).
 
+    `window` (a sliding window, as transformers masks it): the token at position p sees only keys
+    at positions > p - window, `window` keys with its own; blocks wholly before every new token's
+    window are never read, so their table entries need not be valid. `softcap` caps each logit
+    (after the scale) as `softcap * tanh(logit / softcap)` before the softmax (Gemma 2). None: no
+    window, no cap.
+
     Thread-safe. Compiled on CUDA tensors, interpreted on CPU tensors (radixkv.kernels.dispatch).
     """
     _check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be None (no window) or >= 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None (no cap) or > 0, got {softcap}")
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
@@ -246,7 +283,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
     for plan, tile_seq, tile_start in launches.launches:
-        _launch(plan, tile_seq, tile_start, *batch, scale, out)
+        _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap)
     return out
 
 
@@ -262,6 +299,8 @@ def launch_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """One launch with an explicit plan over the tiles of the sequences in the bool mask `seqs` (all
     when None), then the merge of the KV splits; `num_tiles` as in _tile_map. Arguments are not
@@ -269,7 +308,7 @@ def launch_attention(
     included, through the interpreter."""
     tile_seq, tile_start = _tile_map(query_start_loc, seq_lens, seqs, plan.block_q, num_tiles)
     batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
-    _launch(plan, tile_seq, tile_start, *batch, scale, out)
+    _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap)
 
 
 def _launch(
@@ -284,6 +323,8 @@ def _launch(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -308,7 +349,8 @@ def _launch(
         _paged_attention_kernel.on(device)[(triton.cdiv(num_items, plan.items), plan.num_splits)](
             q, k_cache, v_cache, target, lse,
             block_table, seq_lens, query_start_loc, tile_seq, tile_start,
-            scale * LOG2E, num_items, kv_per_split,
+            scale if softcap else scale * LOG2E, 2 * LOG2E / softcap if softcap else 0.0,
+            softcap * LOG2E if softcap else 0.0, window or 0, num_items, kv_per_split,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             split_strides[0], target.stride(-3), target.stride(-2), split_strides[1], split_strides[2],
             block_table.stride(0),
@@ -317,6 +359,7 @@ def _launch(
             ITEMS=plan.items, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, NUM_SPLITS=plan.num_splits,
             FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            WINDOW=window is not None, SOFTCAP=softcap is not None,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if split:

@@ -19,12 +19,21 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per sequence: gather K/V through the block table, expand the KV heads to the query heads
     (measured faster on CPU than SDPA's enable_gqa), then SDPA with the causal mask aligned to the
-    end of the sequence (is_causal when there is no cached prefix, no mask for a single token)."""
+    end of the sequence (is_causal when there is no cached prefix, no mask for a single token).
+
+    With a `window` only the keys some new token sees are gathered (from the first new token's
+    position - window + 1 on) and the mask keeps key j for the token at p where p - window < j <= p.
+    With a `softcap` the logits are written out: softmax(softcap * tanh(q k^T * scale / softcap)).
+    """
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty_like(q)
     for s, (seq_len, q_lo, q_hi) in enumerate(
         zip(seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=True)
@@ -32,17 +41,27 @@ def paged_attention_ref(
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        blocks = block_table[s, : (seq_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, 0)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, 0)
+        lo = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        blocks = block_table[s, lo // block_size : (seq_len + block_size - 1) // block_size].long()
+        skip = lo - lo // block_size * block_size
+        k = k_cache[blocks].flatten(0, 1)[skip : seq_len - lo + skip]
+        v = v_cache[blocks].flatten(0, 1)[skip : seq_len - lo + skip]
+        k = k.transpose(0, 1).float().repeat_interleave(group, 0)
+        v = v.transpose(0, 1).float().repeat_interleave(group, 0)
         qs = q[q_lo:q_hi].transpose(0, 1).float()
-        if q_len == 1:
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        keys = torch.arange(lo, seq_len, device=q.device)[None, :]
+        mask = keys <= positions
+        if window is not None:
+            mask &= keys > positions - window
+        if softcap is not None:
+            logits = softcap * torch.tanh(qs @ k.transpose(1, 2) * scale / softcap)
+            o = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        elif q_len == 1 and window is None:
             o = F.scaled_dot_product_attention(qs, k, v, scale=scale)
-        elif q_len == seq_len:
+        elif q_len == seq_len and window is None:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
         else:
-            positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[q_lo:q_hi] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -62,7 +62,7 @@ def qwen2() -> LoadedModel:
 
 @pytest.fixture
 def mistral() -> LoadedModel:
-    """Mistral of the same size with a 64-token sliding window (so max_model_len is 64)."""
+    """Mistral of the same size with a 64-token sliding window on every layer."""
     config = MistralConfig(architectures=["MistralForCausalLM"], head_dim=16, sliding_window=64, **TINY_SIZES)
     return _build(config, "test-mistral")
 

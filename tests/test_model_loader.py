@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from radixkv.model.loader import LoadedModel, ModelLoadError, build_random_model, load_model
+from radixkv.model.presets import PRESETS
 
 
 def test_save_pretrained_folder_gives_the_same_logits(tiny_model: LoadedModel, tmp_path: Path) -> None:
@@ -58,8 +59,16 @@ def test_qwen2_biases_are_random_not_zero(qwen2: LoadedModel) -> None:
     assert qwen2.model.model.layers[0].self_attn.q_proj.bias.abs().min() > 0
 
 
-def test_mistral_sliding_window_caps_max_model_len(mistral: LoadedModel) -> None:
-    assert mistral.max_model_len == 64
+def test_mistral_sliding_window_applies_per_layer_not_as_a_length_cap(mistral: LoadedModel) -> None:
+    assert mistral.max_model_len == 2048
+    assert mistral.layer_windows == (64, 64)
+
+
+def test_bidirectional_gemma3_is_refused_naming_the_field() -> None:
+    config = PRESETS["tiny-gemma3"]()
+    config.use_bidirectional_attention = True
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
+        build_random_model(config, dtype="float32", device="cpu")
 
 
 def test_missing_config_is_a_clear_error(tmp_path: Path) -> None:
@@ -75,7 +84,7 @@ def test_broken_config_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path: Path) -> None:
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
-    supported = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    supported = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM"
     with pytest.raises(ModelLoadError, match=rf"'GPT2LMHeadModel'.*supported: {supported}"):
         load_model(tmp_path, dtype="float32", device="cpu")
 

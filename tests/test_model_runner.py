@@ -144,8 +144,8 @@ def test_bad_chunks_are_refused(mistral: LoadedModel) -> None:
     runner = ModelRunner(mistral, num_blocks=8, block_size=16)
     with pytest.raises(ValueError, match="cannot hold"):
         runner.forward([SequenceChunk([1] * 17, 0, [0])])
-    with pytest.raises(ValueError, match="max_model_len 64"):
-        runner.forward([SequenceChunk([1], 64, [0, 1, 2, 3, 4])])
+    with pytest.raises(ValueError, match="max_model_len 2048"):  # the position limit, not the window
+        runner.forward([SequenceChunk([1], 2048, [0] * 129)])
     with pytest.raises(ValueError, match="block ids"):
         runner.forward([SequenceChunk([1], 0, [8])])
     with pytest.raises(ValueError, match="no new tokens"):

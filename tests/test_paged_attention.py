@@ -213,6 +213,69 @@ def test_gpu_plan_splits_small_decode_batches_only(monkeypatch: pytest.MonkeyPat
     assert gpu_copy(1) == gpu_copy(300)
 
 
+def poison_outside_window(batch: Batch, window: int) -> Batch:
+    """Point every block-table entry wholly before all of its sequence's windows at a block of NaN,
+    so a kernel that reads a block it should skip shows NaN in its output."""
+    block_size = batch.k_cache.shape[1]
+    table = batch.block_table.clone()
+    poison = int(torch.isnan(batch.k_cache.flatten(1)).all(1).nonzero()[0])  # a block no sequence uses
+    q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    for s, (seq_len, q_len) in enumerate(zip(batch.seq_lens.tolist(), q_lens, strict=True)):
+        first_key = max(0, seq_len - q_len - window + 1)
+        table[s, : first_key // block_size] = poison
+    return batch._replace(block_table=table)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "block_size", "dtype"),
+    [(8, None, 8, torch.float32), (1, None, 4, torch.float32), (40, 5.0, 8, torch.float16),
+     (None, 2.0, 16, torch.float32), (20, 1.0, 1, torch.bfloat16)],
+)
+def test_sliding_window_and_softcap_match_reference(
+    window: int | None, softcap: float | None, block_size: int, dtype: torch.dtype
+) -> None:
+    """Decode, prefill and extend in one call; blocks outside every window hold NaN and are skipped."""
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype)
+    if window is not None:
+        batch = poison_outside_window(batch, window)
+    out = paged_attention(*batch, window=window, softcap=softcap)
+    expected = paged_attention_ref(*batch, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_window_and_softcap_change_the_result_and_a_wide_window_does_not() -> None:
+    """The oracle itself is not blind to either: a window no sequence reaches is plain causal."""
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    plain = paged_attention(*batch)
+    torch.testing.assert_close(paged_attention(*batch, window=256), plain, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(paged_attention(*batch, window=16), plain, atol=1e-3)
+    assert not torch.allclose(paged_attention(*batch, softcap=1.0), plain, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        AttentionPlan(block_q=4, items=4, block_n=16, num_splits=1, flat_loads=True),
+        AttentionPlan(block_q=4, items=1, block_n=16, num_splits=1, flat_loads=False),
+        AttentionPlan(block_q=16, items=1, block_n=32, num_splits=4, flat_loads=False),
+    ],
+    ids=["several-items", "gpu-one-item", "gpu-split-kv"],
+)
+def test_every_plan_shape_with_window_and_softcap_matches_reference(plan: AttentionPlan) -> None:
+    batch = make_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8)
+    batch = poison_outside_window(batch, 24)
+    out = torch.empty_like(batch.q)
+    num_tiles = max_tiles(batch.q.shape[0], batch.seq_lens.shape[0], plan.block_q)
+    launch_attention(plan, None, num_tiles, *batch, 1 / 32**0.5, out, 24, 3.0)
+    torch.testing.assert_close(out, paged_attention_ref(*batch, window=24, softcap=3.0), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("argument", "value"), [("window", 0), ("softcap", 0.0), ("softcap", -1.0)])
+def test_bad_window_or_softcap_raises_value_error_naming_it(argument: str, value: float) -> None:
+    with pytest.raises(ValueError, match=argument):
+        paged_attention(*make_batch(MIXED[:3]), **{argument: value})
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the import order matters for the interpreter only")
 def test_works_when_triton_was_imported_before_kernels() -> None:
     """transformers imports triton (through torch._inductor) before the engine imports kernels, so

@@ -6,7 +6,9 @@ layer, after the q/k/v projections and rotary embeddings, with query `[1, Hq, T,
 given to the model's forward. `ModelRunner` passes a `PagedBatch` as `paged_batch`; this function
 stores the new K/V of `module.layer_idx` and attends over the block tables. Because the name is not
 registered with transformers' `AttentionMaskInterface`, the model builds no dense causal mask
-(`attention_mask` arrives as None): the kernel's causality comes from `seq_lens` alone.
+(`attention_mask` arrives as None): the kernel's causality comes from `seq_lens` alone, a layer's
+sliding window from `PagedBatch.windows` (the window transformers' mask would apply, which some
+models do not pass as an argument), and Gemma 2's logit cap from the layer's `softcap` argument.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class PagedBatch:
     and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`; `launches` is
     its plan for this batch, made once per step (`plan_paged_attention`) rather than per layer.
     `load`, when set, holds the step's host-tier loads: each layer waits for its own part of them
-    before it touches its cache (`radixkv.model.layered_load`).
+    before it touches its cache (`radixkv.model.layered_load`). `windows[layer]` is that layer's
+    sliding window (None: full causal attention), `LoadedModel.layer_windows`.
     """
 
     k_caches: list[torch.Tensor]
@@ -40,6 +43,7 @@ class PagedBatch:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     launches: AttentionLaunches
+    windows: tuple[int | None, ...]
     load: LayeredLoad | None = None
 
 
@@ -52,12 +56,14 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     paged_batch: PagedBatch | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Store this layer's new K/V and attend over the paged cache; returns `[1, T, Hq, D]`, None.
 
-    `attention_mask`, `dropout` (always 0 in eval) and the layer's `sliding_window` in `kwargs` are
-    ignored: the mask is implied by `seq_lens` and the window by the capped `max_model_len`.
+    `attention_mask`, `dropout` (always 0 in eval) and `sliding_window` in `kwargs` are ignored:
+    the mask is implied by `seq_lens` and the window is `paged_batch.windows[layer]`. `softcap`
+    (Gemma 2's `attn_logit_softcapping`) caps the logits in the kernel.
     """
     if paged_batch is None:
         raise RuntimeError(
@@ -84,6 +90,8 @@ def paged_attention_forward(
         paged_batch.query_start_loc,
         scale=scaling,
         launches=paged_batch.launches,
+        window=paged_batch.windows[layer],
+        softcap=softcap,
     )
     return out.unsqueeze(0), None
 

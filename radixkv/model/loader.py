@@ -1,13 +1,13 @@
 """Load a causal LM from a preset or a local Hugging Face folder, refusing what the engine cannot run.
 
-The model is transformers' own (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`), so
-rotary embeddings with their scaling, RMSNorm, q/k/v bias and tied embeddings are exactly those of
-the checkpoint; `ModelRunner` swaps only the attention. Local files only: nothing is ever fetched
-from the hub.
+The model is transformers' own (`SUPPORTED_ARCHITECTURES`), so rotary embeddings with their
+scaling, norms (Qwen3's and Gemma's q/k norms, Gemma's scaled embeddings), q/k/v bias, mixture-of-
+experts routing and tied embeddings are exactly those of the checkpoint; `ModelRunner` swaps only
+the attention. Local files only: nothing is ever fetched from the hub.
 
-Sliding windows (Mistral, Qwen2 with `use_sliding_window`): the paged kernel has no window, so
-`max_model_len` is capped at the window rather than refusing the model. Up to that length full
-causal attention and sliding-window attention are the same computation, so outputs stay exact.
+Sliding windows: `LoadedModel.layer_windows` gives each layer's window as transformers masks it
+(per layer from `layer_types` where the model reads them, else `sliding_window` for every layer),
+and the paged kernel applies it, so a model runs past its window.
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2ForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 from radixkv.model.presets import PRESETS, REAL_SHAPE_PRESETS
@@ -35,7 +42,20 @@ SUPPORTED_ARCHITECTURES: dict[str, type[PreTrainedModel]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+# Models whose mask is chosen per layer from `config.layer_types` ("sliding_attention" or
+# "full_attention"); the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) mask every layer with
+# `config.sliding_window` when it is set.
+_PER_LAYER_WINDOW_ARCHITECTURES = (
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)
 # These recompute rotary frequencies from the longest position in the forward call, which in a
 # flattened batch depends on the other sequences; a sequence's output would depend on its batch.
 _BATCH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
@@ -86,10 +106,13 @@ class LoadedModel:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served: the position limit, capped at the sliding window if there is one."""
-        window = getattr(self.config, "sliding_window", None)
-        limit = self.config.max_position_embeddings
-        return min(limit, window) if window else limit
+        """Longest sequence served: the position limit (sliding windows apply past their length)."""
+        return self.config.max_position_embeddings
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full causal attention), as transformers masks it."""
+        return layer_windows(self.config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,6 +121,16 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window under `config` (None: full attention); see the module docstring."""
+    window = getattr(config, "sliding_window", None) or None
+    num_layers = config.num_hidden_layers
+    if (config.architectures or [None])[0] in _PER_LAYER_WINDOW_ARCHITECTURES:
+        types = config.layer_types
+        return tuple(window if types[i] == "sliding_attention" else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def load_model(
@@ -227,6 +260,10 @@ def _check_config(config: PretrainedConfig, where: object) -> None:
         raise ModelLoadError(
             f"rope_type {rope_type!r} in {where} is not supported: its frequencies depend on the longest "
             "position in the batch, so results would depend on batch composition"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelLoadError(
+            f"use_bidirectional_attention in {where} is not supported: radixkv serves causal decoders"
         )
     num_kv_heads = config.num_key_value_heads or config.num_attention_heads
     if config.num_attention_heads % num_kv_heads:

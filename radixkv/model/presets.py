@@ -13,19 +13,43 @@ logits (up to |19|) differ from transformers' by at most 2e-4 (sdpa and eager di
 below those gaps, so greedy and beam outputs do not hinge on float noise.
 `tiny-qwen2` is the same size with Qwen2's q/k/v bias (drawn nonzero) and tied embeddings.
 `llama-3-8b-shape` and `qwen2.5-1.5b-shape` are real sizes for GPU benchmarks (`REAL_SHAPE_PRESETS`).
+
+The other families keep that size and the byte tokenizer, with what sets each apart (`SLIDING_WINDOW`
+is 32 tokens, so a short chat already runs past it):
+- `tiny-qwen3`: q/k RMSNorms. `tiny-phi3`: fused qkv and gate/up projections, a window on every layer.
+- `tiny-gemma2`: sliding and global layers alternating, attention and final logit soft-capping
+  (caps of 20 and 15, low enough to bite on these weights), query scale `query_pre_attn_scalar` = 48
+  instead of the head size, scaled embeddings, sandwich norms, tied embeddings.
+- `tiny-gemma3`: 6 layers, 5 sliding to 1 global as Gemma 3 interleaves them, q/k norms, a rotary
+  base per layer kind, no soft-capping.
+- `tiny-mixtral`, `tiny-qwen2-moe` (with its gated shared expert), `tiny-qwen3-moe`: 4 experts,
+  2 routed per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MixtralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, IM_END, PAD_TOKEN, SPECIAL_TOKENS
 
 PRESET_INITIALIZER_RANGE = 0.3
 _EOS_ID = 256 + SPECIAL_TOKENS.index(IM_END)
 _PAD_ID = 256 + SPECIAL_TOKENS.index(PAD_TOKEN)
+SLIDING_WINDOW = 32
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 128}
 
 
 _TINY = {
@@ -73,9 +97,64 @@ def _qwen2_5_1_5b_shape() -> PretrainedConfig:
     )
 
 
+def _tiny_qwen3() -> PretrainedConfig:
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"], head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True, **_TINY
+    )
+
+
+def _tiny_phi3() -> PretrainedConfig:
+    return Phi3Config(architectures=["Phi3ForCausalLM"], sliding_window=SLIDING_WINDOW, **_TINY)
+
+
+def _gemma_sizes(layer_types: list[str]) -> dict[str, object]:
+    return {
+        **_TINY, "num_hidden_layers": len(layer_types), "layer_types": layer_types, "head_dim": 32,
+        "query_pre_attn_scalar": 48, "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False,
+    }
+
+
+def _tiny_gemma2() -> PretrainedConfig:
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    return Gemma2Config(
+        architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
+        **_gemma_sizes(layer_types),
+    )
+
+
+def _tiny_gemma3() -> PretrainedConfig:
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    return Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], **_gemma_sizes(layer_types))
+
+
+def _tiny_mixtral() -> PretrainedConfig:
+    sizes = {**_TINY, "intermediate_size": _MOE["moe_intermediate_size"]}
+    return MixtralConfig(
+        architectures=["MixtralForCausalLM"], head_dim=32, num_local_experts=4, num_experts_per_tok=2, **sizes
+    )
+
+
+def _tiny_qwen2_moe() -> PretrainedConfig:
+    return Qwen2MoeConfig(
+        architectures=["Qwen2MoeForCausalLM"], num_experts=4, shared_expert_intermediate_size=256,
+        **_MOE, **_TINY,
+    )
+
+
+def _tiny_qwen3_moe() -> PretrainedConfig:
+    return Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], head_dim=32, num_experts=4, **_MOE, **_TINY)
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen2": _tiny_qwen2,
+    "tiny-qwen3": _tiny_qwen3,
+    "tiny-gemma2": _tiny_gemma2,
+    "tiny-gemma3": _tiny_gemma3,
+    "tiny-phi3": _tiny_phi3,
+    "tiny-mixtral": _tiny_mixtral,
+    "tiny-qwen2-moe": _tiny_qwen2_moe,
+    "tiny-qwen3-moe": _tiny_qwen3_moe,
     "llama-3-8b-shape": _llama_3_8b_shape,
     "qwen2.5-1.5b-shape": _qwen2_5_1_5b_shape,
 }

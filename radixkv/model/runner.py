@@ -89,6 +89,7 @@ class ModelRunner:
         self.num_heads = loaded.config.num_attention_heads
         self.num_kv_heads = loaded.num_kv_heads
         self.head_dim = loaded.head_dim
+        self.windows = loaded.layer_windows
         shape = (2, loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
         self.k_caches = list(self.kv_cache[0].unbind(0))
@@ -182,6 +183,7 @@ class ModelRunner:
             seq_lens=step.seq_lens,
             query_start_loc=step.query_start_loc,
             launches=launches,
+            windows=self.windows,
             load=load,
         )
 
