@@ -42,18 +42,22 @@ from radixkv.cache.radix_cache import RadixCache
 from radixkv.config import EngineConfig
 from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.errors import RequestError
+from radixkv.kvstore import KeySpace, KVStore, open_backend
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.sampler import make_generator
+from radixkv.model.stored_kv import model_fingerprint
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 
 Prompt = str | list[int]
+STORE_QUEUE_BYTES = 256 * 2**20
+STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
 Params = SamplingParams | BeamSearchParams
 
 
@@ -97,9 +101,11 @@ class EngineCore:
         if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
             num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
             host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
+        self.store = self._open_store(config, per_block)
         cache = None
         if config.enable_prefix_cache:
-            cache = RadixCache(self.pool, make_policy(config.eviction), host)
+            keys = self.store.keyspace if self.store is not None else None
+            cache = RadixCache(self.pool, make_policy(config.eviction), host, keys)
         self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
         num_host = host.pool.num_blocks if host else 0
         self.runner: ModelRunner | ParallelRunner
@@ -111,6 +117,7 @@ class EngineCore:
             self.runner = ModelRunner(
                 m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
             )
+            self.runner.store = self.store
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -118,6 +125,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling,
+            store=self.store,
         )
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
@@ -133,6 +141,17 @@ class EngineCore:
         self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
         self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
         self.num_steps = 0  # steps that ran a batch
+
+    def _open_store(self, config: EngineConfig, block_bytes: int) -> KVStore | None:
+        """The KV store of `config.kv_store`, keyed for this model, dtype and block size."""
+        if config.kv_store is None:
+            return None
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        keys = KeySpace(model_fingerprint(self.model, config.seed), dtype, config.block_size)
+        # A write queue of at most STORE_QUEUE_BYTES of host memory (and at least 16 blocks).
+        pending = max(16, STORE_QUEUE_BYTES // block_bytes)
+        backend = open_backend(config.kv_store)
+        return KVStore(backend, keys, block_bytes, pending, url=config.kv_store)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
@@ -198,6 +217,8 @@ class EngineCore:
             if taken is not None:
                 raise ValueError(f"request_id {taken!r} is already in use")
             for request in requests:
+                if self.store is not None and len(request.prompt_ids) > 1:
+                    request.store_lookup = self.store.lookup(request.prompt_ids[:-1])
                 self._requests[request.request_id] = request
                 self._inbox.append(request)
         if self.on_submit is not None:
@@ -250,6 +271,10 @@ class EngineCore:
             touched: list[Request] = []
             try:
                 batch = self.scheduler.schedule()
+                while not batch and self.scheduler.waits_for_store:  # nothing else to do: wait
+                    self.store.wait(STORE_POLL_S)
+                    ended += self._drain()
+                    batch = self.scheduler.schedule()
                 if batch:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
@@ -268,7 +293,13 @@ class EngineCore:
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
-        requests. A single-rank engine holds nothing to release."""
+        requests. With a KV store, first writes every block cached so far to it (the pending
+        saves, then the store's write queue), so a restart finds them."""
+        if self.store is not None:
+            with self._lock:
+                self.kv.run_transfers(self.runner)
+                self.runner.finish_loads()
+            self.store.close()
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
 
@@ -382,6 +413,8 @@ class EngineCore:
             "num_loaded_blocks": host.num_loaded if host else 0,
             "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
+            "store_cache_hits": self.scheduler.store_cache_hits,
+            **(self.store.metrics() if self.store is not None else {}),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
             "time_to_first_token_seconds": self.ttft.as_dict(),
