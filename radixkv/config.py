@@ -93,11 +93,12 @@ class EngineConfig:
             raise ValueError("preemption_mode 'swap' needs a host tier: set host_kv_cache_memory > 0")
         if self.kv_store is not None:
             if not isinstance(self.kv_store, str) or not self.kv_store.startswith(STORE_SCHEMES):
-                raise ValueError(f"kv_store must be file://DIR or redis://host:port/db, got {self.kv_store!r}")
+                url = self.kv_store
+                raise ValueError(f"kv_store must be file://DIR or redis://host:port/db, got {url!r}")
             if not self.enable_prefix_cache:
                 raise ValueError("kv_store needs enable_prefix_cache (stored blocks join the radix tree)")
             if self.tensor_parallel_size > 1:
-                raise ValueError("kv_store takes tensor_parallel_size 1 (each rank would store its own heads)")
+                raise ValueError("kv_store takes tensor_parallel_size 1 (each rank holds its own heads)")
         if self.device is None:
             import torch  # here, so that reading a config does not load torch
 

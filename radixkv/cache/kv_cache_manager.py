@@ -139,7 +139,11 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def admit(
-        self, tokens: list[int], owner: object = None, session: str | None = None, stored: StoredRun | None = None
+        self,
+        tokens: list[int],
+        owner: object = None,
+        session: str | None = None,
+        stored: StoredRun | None = None,
     ) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
         last token, which is always computed so that its logits exist. A `session` is live

@@ -236,7 +236,9 @@ class RadixCache:
         """
         return self._insert(tokens, blocks, session, save=True)
 
-    def load_stored(self, tokens: list[int], match: MatchResult, stored: StoredRun, session: str | None) -> int:
+    def load_stored(
+        self, tokens: list[int], match: MatchResult, stored: StoredRun, session: str | None
+    ) -> int:
         """Continues `match` (of `tokens`, just made) with the blocks of `stored` from where its
         whole blocks end, as far as device blocks can be had: they are allocated, queued to be
         written from the fetched data, and cached as `tokens`' next blocks. Returns the tokens

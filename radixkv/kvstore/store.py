@@ -244,7 +244,7 @@ class KVStore:
     def _slow(self) -> None:
         if not self._warned:
             self._warned = True
-            log.warning("kv store %s took over %.1f s to answer: a miss (logged once)", self.url, self.timeout_s)
+            log.warning("kv store %s took over %.1f s: a miss (logged once)", self.url, self.timeout_s)
 
     # ------------------------------------------------------------------ the rest
 

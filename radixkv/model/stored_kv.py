@@ -43,7 +43,8 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
 
 def block_payloads(rows: torch.Tensor) -> list[bytes]:
     """The payload of each block of `gather_blocks`' rows."""
-    return [rows[:, :, i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(rows.shape[BLOCK_DIM])]
+    n = rows.shape[BLOCK_DIM]
+    return [rows[:, :, i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(n)]
 
 
 def stage_payloads(payloads: list[bytes], like: torch.Tensor) -> torch.Tensor:
