@@ -114,6 +114,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> list[ScheduledSeq]:
+        self.waits_for_store = False
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -154,7 +155,6 @@ class Scheduler:
         return batch
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
-        self.waits_for_store = False
         for request in self.waiting.ordered():
             if budget <= 0 or self.num_running_seqs + request.num_seqs > self.max_num_seqs:
                 break

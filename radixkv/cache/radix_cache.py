@@ -297,7 +297,7 @@ class RadixCache:
 
     def _save(self, tokens: list[int], blocks: list[int], cached: list[int], first: int) -> None:
         """Queues for the store the full blocks from `first` on that the tree took from `blocks`.
-        TODO(cache_salt): pass the request's salt to `block_keys` once inserts carry it."""
+        Keyed unsalted: inserts carry no cache salt yet (`KeySpace.block_keys` takes one)."""
         full = len(tokens) // self.block_size
         keys = self.store_keys.block_keys(tokens, full)
         new = [i for i in range(first, full) if i < len(cached) and cached[i] == blocks[i]]
