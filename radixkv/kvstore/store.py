@@ -165,11 +165,11 @@ class KVStore:
         wait for the store. Never waits itself."""
         if lookup.done:
             return lookup.run
-        if time.monotonic() > lookup.deadline:
+        if lookup.busy:  # the store's answer is due by the deadline (the engine's pace is not its)
+            if time.monotonic() <= lookup.deadline:
+                return None
             self._slow()
             return self._resolve(lookup, StoredRun(start_block))
-        if lookup.busy:
-            return None
         present = lookup.present[start_block:]
         n = next((i for i, p in enumerate(present) if not p), len(present))
         self.miss_blocks += len(present) - n
