@@ -116,3 +116,24 @@ def test_bad_store_configs_are_clear_errors(bad):
 
     with pytest.raises(ValueError, match="kv_store"):
         EngineConfig(device="cpu", **bad)
+
+
+def test_a_failed_copy_off_the_device_loses_only_those_writes(
+    model_folders, reference_models, tmp_path, monkeypatch
+):
+    from radixkv.model import runner
+
+    def broken(kv_cache, blocks):
+        raise RuntimeError("injected: device copy failed")
+
+    monkeypatch.setattr(runner, "gather_blocks", broken)
+    batch = prompts(2, seed=5)
+    with engine(model_folders, f"file://{tmp_path}") as e:
+        outs = e.generate(batch, GREEDY)
+        again = e.generate(batch, GREEDY)  # the cache is intact: the device tier hits
+    m = e.metrics()
+    for prompt, out, hit in zip(batch, outs, again, strict=True):
+        assert out.token_ids == hit.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+        assert hit.num_cached_tokens == len(prompt) - 1
+    assert m["kv_store_dropped_writes"] > 0 and m["kv_store_errors"] >= 1
+    assert m["kv_store_written_blocks"] == 0

@@ -120,6 +120,11 @@ class KVStore:
             self._writes.append((keys, payloads))
             self._cond.notify_all()
 
+    def lost(self, n: int, exc: BaseException) -> None:
+        """`n` blocks could not be copied for writing: dropped, and counted as a failure."""
+        self.dropped_writes += n
+        self._failed(exc)
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits until every queued write is done; False if `timeout_s` passed first."""
         with self._cond:

@@ -220,13 +220,18 @@ class ModelRunner:
     def save(self, src: list[int], keys: list[bytes]) -> None:
         """Copies device blocks `src` to the host now and queues them for the KV store under
         `keys`; when the store's write queue has no room, copies nothing (the store counts the
-        dropped writes). Pending loads into any of `src` are finished first."""
+        dropped writes). Pending loads into any of `src` are finished first. A failure here
+        loses these writes only: it never fails the step (nothing in the cache waits on them)."""
         if not src or not self.store.has_room(len(src)):
             return
         self._check_block_ids(src)
         if self.pending_load is not None and self.pending_load.writes_any(src):
             self._finish_early()
-        rows = gather_blocks(self.kv_cache, src)
+        try:
+            rows = gather_blocks(self.kv_cache, src)
+        except Exception as exc:
+            self.store.lost(len(src), exc)
+            return
         self.store.save(keys, lambda: block_payloads(rows))
 
     def fetch(self, src: list, dst: list[int]) -> None:
