@@ -295,13 +295,16 @@ class EngineCore:
         """Stops the tensor-parallel workers, if any (idempotent); later steps fail their
         requests. With a KV store, first writes every block cached so far to it (the pending
         saves, then the store's write queue), so a restart finds them."""
-        if self.store is not None:
-            with self._lock:
-                self.kv.run_transfers(self.runner)
-                self.runner.finish_loads()
-            self.store.close()
-        if isinstance(self.runner, ParallelRunner):
-            self.runner.close()
+        try:
+            if self.store is not None:
+                with self._lock:
+                    self.kv.run_transfers(self.runner)
+                    self.runner.finish_loads()
+        finally:
+            if self.store is not None:
+                self.store.close()
+            if isinstance(self.runner, ParallelRunner):
+                self.runner.close()
 
     def __enter__(self) -> Any:
         return self
