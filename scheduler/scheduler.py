@@ -38,6 +38,8 @@ from radixkv.kvstore.store import KVStore, StoredRun
 from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 
+STORE_ADMIT_WAIT_S = 0.01  # how long admission waits on the KV store for one request, per phase
+
 
 @dataclass(slots=True, init=False)
 class ScheduledSeq(SequenceChunk):
@@ -211,7 +213,9 @@ class Scheduler:
         if self.store is None or lookup is None or request.num_cached_tokens is not None:
             return StoredRun(0)
         start = self.kv.cache.cached_prefix_len(lookup.tokens) // self.kv.block_size
-        return self.store.poll(lookup, start)
+        if start == len(lookup.tokens) // self.kv.block_size:  # the memory tiers hold every block
+            return StoredRun(start)
+        return self.store.poll(lookup, start, STORE_ADMIT_WAIT_S)
 
     def _waits_for_shared_prefill(self, request: Request) -> bool:
         """Whether a prompt being prefilled now shares a block or more of tokens with this one

@@ -164,10 +164,12 @@ class KVStore:
             self._reader.submit(self._exists, lookup)
         return lookup
 
-    def poll(self, lookup: StoreLookup, start_block: int) -> StoredRun | None:
+    def poll(self, lookup: StoreLookup, start_block: int, wait_s: float = 0.0) -> StoredRun | None:
         """At admission, with the tree matching `start_block` whole blocks: the run of stored
         blocks that continues the match (fetched, perhaps empty), or None while the request must
-        wait for the store. Never waits itself."""
+        wait for the store. Waits at most `wait_s` for each background step (an existence check
+        or a short fetch usually takes well under it, and the request then goes this step)."""
+        self._settle(lookup, wait_s)
         if lookup.done:
             return lookup.run
         if lookup.busy:  # the store's answer is due by the deadline (the engine's pace is not its)
@@ -183,7 +185,13 @@ class KVStore:
         lookup.busy, lookup.fetch_from = True, start_block
         lookup.deadline = time.monotonic() + self.timeout_s
         self._reader.submit(self._fetch, lookup, start_block, lookup.keys[start_block : start_block + n])
-        return None
+        self._settle(lookup, wait_s)
+        return lookup.run if lookup.done else None
+
+    def _settle(self, lookup: StoreLookup, wait_s: float) -> None:
+        if lookup.busy and wait_s > 0:
+            with self._changed:
+                self._changed.wait_for(lambda: not lookup.busy, wait_s)
 
     def wait(self, timeout_s: float) -> None:
         """Returns when a lookup advances, or after `timeout_s`."""
