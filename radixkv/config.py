@@ -9,6 +9,7 @@ from radixkv.cache.eviction import POLICIES
 from radixkv.cache.kv_cache_manager import PREEMPTION_MODES
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
+STORE_SCHEMES = ("file://", "redis://", "rediss://", "valkey://")
 
 
 @dataclass(slots=True)
@@ -35,6 +36,11 @@ class EngineConfig:
     hit; `host_write_through` copies blocks there as soon as they are cached. `preemption_mode`
     `swap` (needs the host tier) moves a preempted request's KV to the host and back instead of
     recomputing it.
+
+    `kv_store` (`file:///dir` or `redis://host:port/db`; None, the default, is off) puts a store
+    behind both tiers that outlives the process and that replicas share: full blocks are
+    written to it as they are cached, and a match that runs out in memory continues there
+    (`radixkv.kvstore`). Single-rank only.
     """
 
     model: str = "tiny-llama"
@@ -56,6 +62,7 @@ class EngineConfig:
     host_write_through: bool = False
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
+    kv_store: str | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -89,6 +96,14 @@ class EngineConfig:
             raise ValueError("host_kv_cache_memory needs enable_prefix_cache (the host tier is in the tree)")
         if self.preemption_mode == "swap" and not host:
             raise ValueError("preemption_mode 'swap' needs a host tier: set host_kv_cache_memory > 0")
+        if self.kv_store is not None:
+            if not isinstance(self.kv_store, str) or not self.kv_store.startswith(STORE_SCHEMES):
+                url = self.kv_store
+                raise ValueError(f"kv_store must be file://DIR or redis://host:port/db, got {url!r}")
+            if not self.enable_prefix_cache:
+                raise ValueError("kv_store needs enable_prefix_cache (stored blocks join the radix tree)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_store takes tensor_parallel_size 1 (each rank holds its own heads)")
         if self.device is None:
             import torch  # here, so that reading a config does not load torch
 

@@ -39,15 +39,18 @@ from radixkv.cache.eviction import make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
 from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.errors import RequestError
+from radixkv.kvstore import KeySpace, KVStore, open_backend
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.sampler import make_generator
+from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
@@ -55,6 +58,8 @@ from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 
 Prompt = str | list[int]
+STORE_QUEUE_BYTES = 256 * 2**20
+STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
 Params = SamplingParams | BeamSearchParams
 
 
@@ -101,9 +106,11 @@ class EngineCore:
         if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
             num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
             host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
+        self.store = self._open_store(config, per_block)
         cache = None
         if config.enable_prefix_cache:
-            cache = RadixCache(self.pool, make_policy(config.eviction), host)
+            keys = self.store.keyspace if self.store is not None else None
+            cache = RadixCache(self.pool, make_policy(config.eviction), host, keys)
         self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
         num_host = host.pool.num_blocks if host else 0
         self.runner: ModelRunner | ParallelRunner
@@ -115,6 +122,7 @@ class EngineCore:
             self.runner = ModelRunner(
                 m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
             )
+            self.runner.store = self.store
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -122,6 +130,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling,
+            store=self.store,
         )
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
@@ -137,6 +146,17 @@ class EngineCore:
         self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
         self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
         self.num_steps = 0  # steps that ran a batch
+
+    def _open_store(self, config: EngineConfig, block_bytes: int) -> KVStore | None:
+        """The KV store of `config.kv_store`, keyed for this model, dtype and block size."""
+        if config.kv_store is None:
+            return None
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        keys = KeySpace(model_fingerprint(self.model, config.seed), dtype, config.block_size)
+        # A write queue of at most STORE_QUEUE_BYTES of host memory (and at least 16 blocks).
+        pending = max(16, STORE_QUEUE_BYTES // block_bytes)
+        backend = open_backend(config.kv_store)
+        return KVStore(backend, keys, block_bytes, pending, url=config.kv_store)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
@@ -207,6 +227,9 @@ class EngineCore:
             if taken is not None:
                 raise ValueError(f"request_id {taken!r} is already in use")
             for request in requests:
+                if self.store is not None and len(request.prompt_ids) > 1:  # keyed as the cache keys it
+                    keys = salted(request.prompt_ids[:-1], salt_offset(request.cache_salt))
+                    request.store_lookup = self.store.lookup(keys)
                 self._requests[request.request_id] = request
                 self._inbox.append(request)
         if self.on_submit is not None:
@@ -261,6 +284,10 @@ class EngineCore:
             touched: list[Request] = []
             try:
                 batch = self.scheduler.schedule()
+                while not batch and self.scheduler.waits_for_store:  # nothing else to do: wait
+                    self.store.wait(STORE_POLL_S)
+                    ended += self._drain()
+                    batch = self.scheduler.schedule()
                 if batch:
                     self.num_steps += 1
                     self.kv.run_transfers(self.runner)
@@ -279,14 +306,23 @@ class EngineCore:
             return touched
 
     def close(self) -> None:
-        """Releases everything the engine holds (idempotent): requests still going are aborted,
-        the KV cache's device and host memory and the CUDA graphs are freed, tensor-parallel
-        workers are stopped. Later requests fail in their first step."""
-        with self._lock:
-            for request_id in list(self._requests):
-                if self._requests[request_id].status is not Status.FINISHED:
-                    self._aborts.append(request_id)
-            self._notify(self._drain())
+        """Releases everything the engine holds (idempotent): requests still going are aborted;
+        with a KV store, every block cached so far is written to it first (the pending saves,
+        then the store's write queue), so a restart finds them; then the KV cache's device and
+        host memory and the CUDA graphs are freed and tensor-parallel workers stopped. Later
+        requests fail in their first step."""
+        try:
+            with self._lock:
+                for request_id in list(self._requests):
+                    if self._requests[request_id].status is not Status.FINISHED:
+                        self._aborts.append(request_id)
+                self._notify(self._drain())
+                if self.store is not None:
+                    self.kv.run_transfers(self.runner)
+                    self.runner.finish_loads()
+        finally:
+            if self.store is not None:
+                self.store.close()
             self.runner.close()
 
     def __enter__(self) -> Any:
@@ -399,6 +435,8 @@ class EngineCore:
             "num_loaded_blocks": host.num_loaded if host else 0,
             "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
+            "store_cache_hits": self.scheduler.store_cache_hits,
+            **(self.store.metrics() if self.store is not None else {}),
             "running": len(self.scheduler.running),
             "running_seqs": self.scheduler.num_running_seqs,
             "waiting": len(self.scheduler.waiting) + len(self._inbox),

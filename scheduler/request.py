@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from radixkv.cache.kv_cache_manager import BlockTable
 from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from radixkv.kvstore.store import StoreLookup
 
 
 class Status(enum.Enum):
@@ -101,6 +105,7 @@ class Request:
     session_id: str | None = None  # the chat session it is a turn of; tags what it caches
     cache_salt: str | None = None  # its cache namespace: shares blocks only with the same salt
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
+    store_lookup: StoreLookup | None = None  # its prompt's way through the KV store, when there is one
     is_beam_search: bool = field(init=False)  # its params are BeamSearchParams (read once a step)
 
     def __post_init__(self) -> None:

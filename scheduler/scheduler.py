@@ -10,7 +10,9 @@ exceeds the step's token budget), up to `max_num_seqs` sequences. `schedule()` d
    matched path, shares its blocks (a partly matched last block is copied on its first write)
    and gets blocks for its uncached part only. A request whose prompt shares a block or more of
    not-yet-cached tokens with a prompt being prefilled now waits for it, so shared new prefixes
-   are computed once and then hit. Admission counts exactly what allocation plus eviction can
+   are computed once and then hit. With a KV store, a request whose prompt continues in the
+   store waits (a step or a few, never the step itself) for those blocks to be fetched, and
+   they join its match (`radixkv.kvstore.store`). Admission counts exactly what allocation plus eviction can
    deliver (`KVCacheManager.num_available`), and a request's forks (`n`, `beam_width`) count
    against `max_num_seqs` from admission on.
 `remove()` takes a request out at any stage (abort, failure), releasing what it holds.
@@ -35,6 +37,7 @@ from radixkv.scheduler.waiting_queue import WaitingQueue
 from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
+from radixkv.kvstore.store import KVStore, StoredRun
 from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
@@ -48,6 +51,8 @@ class StepOutcome(NamedTuple):
 
     touched: list[Request]
     failed: list[tuple[Request, Exception]]
+
+STORE_ADMIT_WAIT_S = 0.01  # how long admission waits on the KV store for one request, per phase
 
 
 @dataclass(slots=True, init=False)
@@ -77,8 +82,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str,
+        store: KVStore | None = None,
     ) -> None:
         self.kv = kv
+        self.store = store
+        self.waits_for_store = False  # the last schedule skipped a request fetching from the store
         self.eos = set(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -89,6 +97,7 @@ class Scheduler:
         self.beams: dict[str, BeamSearch] = {}
         self.num_preemptions = 0
         self.host_cache_hits = 0  # prompt tokens of first admissions loaded from the host tier
+        self.store_cache_hits = 0  # prompt tokens of first admissions fetched from the KV store
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -121,6 +130,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> list[ScheduledSeq]:
+        self.waits_for_store = False
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -166,11 +176,16 @@ class Scheduler:
                 break
             if self._waits_for_shared_prefill(request):
                 continue
+            stored = self._stored_run(request)
+            if stored is None:
+                self.waits_for_store = True
+                continue
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
                 seq.table = self.kv.admit(
-                    seq.tokens, request.request_id, request.session_id, request.cache_salt
+                    seq.tokens, request.request_id, request.session_id, stored, request.cache_salt
                 )
+                stored = None  # the first sequence's blocks are in the tree: the others match them
             cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
@@ -186,6 +201,7 @@ class Scheduler:
                 self.prefix_cache_queries += len(request.prompt_ids)
                 self.prefix_cache_hits += request.num_cached_tokens
                 self.host_cache_hits += request.seqs[0].table.num_loaded_tokens
+                self.store_cache_hits += request.seqs[0].table.num_stored_tokens
             self.waiting.remove(request)
             self.running.append(request)
             request.status = Status.RUNNING
@@ -205,6 +221,17 @@ class Scheduler:
 
     def _scheduled(self, request: Request, plan: list[tuple[Sequence, int]]) -> list[ScheduledSeq]:
         return [ScheduledSeq(request, seq, seq.table.num_tokens - n, n) for seq, n in plan]
+
+    def _stored_run(self, request: Request) -> StoredRun | None:
+        """The store's blocks that continue the tree's match of a first admission's prompt (an
+        empty run without a store), or None while they are being looked up or fetched."""
+        lookup = request.store_lookup
+        if self.store is None or lookup is None or request.num_cached_tokens is not None:
+            return StoredRun(0)
+        start = self.kv.cache.cached_prefix_len(lookup.tokens) // self.kv.block_size
+        if start == len(lookup.tokens) // self.kv.block_size:  # the memory tiers hold every block
+            return StoredRun(start)
+        return self.store.poll(lookup, start, STORE_ADMIT_WAIT_S)
 
     def _waits_for_shared_prefill(self, request: Request) -> bool:
         """Whether a prompt being prefilled now shares a block or more of tokens with this one

@@ -20,6 +20,7 @@ from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import TOKEN_BITS, salt_offset
+from radixkv.kvstore import KeySpace, StoredBlock, StoredRun
 
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
 
@@ -371,3 +372,51 @@ def test_append_slot_takes_only_a_slot_reserve_would_take(block_size, seed):
             h.step()
         h.check()
     assert h.fast > run_length(3000) // 10, "append_slot was hardly exercised"
+
+
+class StoreHarness(Harness):
+    """The cache with a KV store behind it: saves copy a block's fake KV into a dict under its
+    key, admissions continue their match with the stored run, and every check reads back the
+    tokens of every cached block, fetched ones included."""
+
+    def __init__(self, block_size: int, num_blocks: int, seed: int, policy: str = "lru") -> None:
+        super().__init__(block_size, num_blocks, seed, policy)
+        self.keyspace = KeySpace("test", "fake", block_size)
+        self.cache.store_keys = self.keyspace
+        self.stored: dict[bytes, np.ndarray] = {}
+        self.fetched_tokens = 0
+
+    def save(self, src: list[int], keys: list[bytes]) -> None:
+        for b, k in zip(src, keys, strict=True):
+            assert (self.slots[b] >= 0).all(), "a block was saved before its KV was written"
+            self.stored[k] = self.slots[b].copy()
+
+    def fetch(self, src: list[StoredBlock], dst: list[int]) -> None:
+        self.slots[dst] = np.stack([s.payload for s in src])
+
+    def admit(self) -> None:
+        tokens, owner = self.prompt(), next(self.owners)
+        keys = self.keyspace.block_keys(tokens[:-1], len(tokens))
+        start = self.cache.cached_prefix_len(tokens[:-1]) // self.B
+        run = []
+        for key in keys[start:]:
+            if key not in self.stored:
+                break
+            run.append(StoredBlock(self.stored[key]))
+        table = self.kv.admit(tokens, owner, None, StoredRun(start, run))
+        self.salt_of[table] = None
+        expected = max((common_prefix(tokens[:-1], s) for _, s in self.reference), default=0)
+        assert table.num_tokens >= expected, f"matched {table.num_tokens}, the tree alone {expected}"
+        assert table.num_tokens <= max(expected, (start + len(run)) * self.B)
+        self.fetched_tokens += table.num_stored_tokens
+        self.reference.append((None, tokens[: table.num_tokens]))
+        self.live.append((table, tokens))
+        self.append(len(self.live) - 1, len(tokens) - table.num_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("block_size", "seed", "policy"), [(2, 30, "lru"), (4, 31, "lru"), (16, 32, "gdsf")])
+def test_random_operations_with_a_kv_store_keep_every_tokens_kv(block_size, seed, policy):
+    h = StoreHarness(block_size, max(48, 600 // block_size), seed, policy)
+    run(h, run_length(2000))
+    assert h.cache.num_saved and h.fetched_tokens, "the store was not exercised"

@@ -29,6 +29,7 @@ RUN_FIELDS = {
     "cow_copies": int,
     "host_hit_rate": float,
     "failed_requests": int,
+    "store_hit_rate": float,
 }
 
 
@@ -109,6 +110,23 @@ def test_replay_compares_a_squeezed_pool_with_and_without_a_host_tier(model_fold
     assert one["host_hit_rate"] == 0 < two["host_hit_rate"] <= two["hit_rate"]
     assert one["hit_rate"] < two["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
     assert report["config"]["host_kv_cache_memory"] == "1MiB"
+
+
+@pytest.mark.slow
+def test_a_restarted_replay_over_one_kv_store_finds_the_last_runs_blocks(model_folders, workload, tmp_path):
+    reports = []
+    store = f"file://{tmp_path}/store"
+    for k in range(2):
+        report_path = tmp_path / f"report{k}.json"
+        args = replay_args(workload, model_folders, "--report", str(report_path), "--kv-store", store)
+        args.remove("--compare")
+        assert main(args) == 0
+        reports.append(json.loads(report_path.read_text()))
+        validate_report(reports[-1])
+    cold, warm = (r["runs"]["prefix_cache"] for r in reports)
+    assert cold["store_hit_rate"] == 0 < warm["store_hit_rate"] <= warm["hit_rate"]
+    assert warm["hit_rate"] > cold["hit_rate"]  # the first turns of the first sessions hit too
+    assert warm["prompt_tokens"] == cold["prompt_tokens"]  # the same greedy replies
 
 
 def test_replay_plot_is_written(model_folders, workload, tmp_path):

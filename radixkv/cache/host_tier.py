@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LFU, LRU, EvictionPolicy
@@ -31,16 +32,19 @@ class TransferKind(enum.Enum):
     COPY = "copy"  # device -> device (copy-on-write)
     OFFLOAD = "offload"  # device -> host
     LOAD = "load"  # host -> device
+    SAVE = "save"  # device -> the KV store (src: device blocks, dst: the blocks' store keys)
+    FETCH = "fetch"  # the KV store -> device (src: fetched `StoredBlock`s, dst: device blocks)
 
 
 @dataclass(slots=True)
 class Transfer:
     """Copies `src[i] -> dst[i]` for every i, all of one kind, in parallel: no destination is
-    written twice, and (device to device) none is also a source."""
+    written twice, and (device to device) none is also a source. Block ids, but for the store's
+    kinds, whose keys and fetched blocks stand in for blocks of the store."""
 
     kind: TransferKind
-    src: list[int]
-    dst: list[int]
+    src: list[Any]
+    dst: list[Any]
 
 
 @dataclass(slots=True)
@@ -49,7 +53,7 @@ class TransferQueue:
     _read: set[int] = field(default_factory=set)  # sources of the last batch
     _written: set[int] = field(default_factory=set)  # destinations of the last batch
 
-    def add(self, kind: TransferKind, src: list[int], dst: list[int]) -> None:
+    def add(self, kind: TransferKind, src: list[Any], dst: list[Any]) -> None:
         """Queues copies after everything queued so far. They join the last batch when it is of
         the same kind and copying them in parallel with it reads and writes the same data."""
         last = self.pending[-1] if self.pending else None

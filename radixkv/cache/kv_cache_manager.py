@@ -20,13 +20,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.radix_cache import RadixCache, RadixNode
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.errors import InvariantError
+
+if TYPE_CHECKING:
+    from radixkv.kvstore.store import StoredBlock, StoredRun
 
 
 class BlockMover(Protocol):
@@ -45,6 +48,14 @@ class BlockMover(Protocol):
         and the next forward pass see them written (the model runner writes them layer by
         layer in that forward)."""
 
+    def save(self, src: list[int], keys: list[bytes]) -> None:
+        """Copies device blocks `src[i]` off the device and queues them for the KV store under
+        `keys[i]` (or drops them, counted, when the store's write queue is full)."""
+
+    def fetch(self, src: list[StoredBlock], dst: list[int]) -> None:
+        """Writes blocks fetched from the KV store into device blocks `dst[i]`, with the timing
+        of `load`."""
+
 
 class _NoData:
     """A mover for the cache's books alone, where blocks hold no data (`radixkv simulate`)."""
@@ -56,6 +67,12 @@ class _NoData:
         pass
 
     def load(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def save(self, src: list[int], keys: list[bytes]) -> None:
+        pass
+
+    def fetch(self, src: list[StoredBlock], dst: list[int]) -> None:
         pass
 
 
@@ -76,6 +93,7 @@ class BlockTable:
     owner: object = None  # the request holding it
     session: str | None = None
     num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
+    num_stored_tokens: int = 0  # of the tokens matched at admission, those fetched from the KV store
     key_offset: int = 0
 
 
@@ -125,12 +143,19 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def admit(
-        self, tokens: list[int], owner: object = None, session: str | None = None, salt: str | None = None
+        self,
+        tokens: list[int],
+        owner: object = None,
+        session: str | None = None,
+        stored: StoredRun | None = None,
+        salt: str | None = None,
     ) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
         last token, which is always computed so that its logits exist. A `session` is live
-        from its first admission until `close_session`. `salt` (a request's `cache_salt`) limits
-        what it matches and caches to its namespace."""
+        from its first admission until `close_session`. `stored`: blocks of `tokens` fetched
+        from the KV store (keyed as the cache keys them, salted); those that continue the tree's
+        match join the tree (`load_stored`). `salt` (a request's `cache_salt`) limits what it
+        matches and caches to its namespace."""
         offset = salt_offset(salt)
         if self.cache is None:
             return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
@@ -138,12 +163,21 @@ class KVCacheManager:
             self.cache.set_session_live(session, True)
         if len(tokens) < 2:
             return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
-        match = self.cache.match_prefix(salted(tokens[:-1], offset), session)
+        keys = salted(tokens[:-1], offset)
+        match = self.cache.match_prefix(keys, session)
+        fetched = 0
+        if stored is not None and stored.blocks:
+            fetched = self.cache.load_stored(keys, match, stored, session)
+            if fetched:
+                match = self.cache.match_prefix(keys, session)
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)
         blocks, loaded = list(match.blocks), match.host_tokens
-        table = BlockTable(blocks, match.num_tokens, match.node, owner, session, loaded, offset)
+        table = BlockTable(
+            blocks, match.num_tokens, match.node, owner, session, num_loaded_tokens=loaded,
+            num_stored_tokens=fetched, key_offset=offset,
+        )
         return self._register(table)
 
     def cached_prefix_len(self, tokens: list[int], salt: str | None = None) -> int:
@@ -324,8 +358,12 @@ class KVCacheManager:
                 mover.copy_blocks(t.src, t.dst)
             elif t.kind is TransferKind.OFFLOAD:
                 mover.offload(t.src, t.dst)
-            else:
+            elif t.kind is TransferKind.LOAD:
                 mover.load(t.src, t.dst)
+            elif t.kind is TransferKind.SAVE:
+                mover.save(t.src, t.dst)
+            else:
+                mover.fetch(t.src, t.dst)
             queue.pop_first()
             if t.kind is TransferKind.COPY:
                 for b in t.src:

@@ -24,6 +24,12 @@ back into fresh device blocks, top down, as far as device blocks can be had (fre
 copies unless the tier writes through). The host pool evicts
 whole nodes by its own policy: a node's host copy when the node is also on the device, or a
 host-only node with no children.
+
+With a KV store (`store_keys`, the store's key function), every full block newly cached on the
+device from computed KV is queued once for the store (a SAVE transfer: the runner copies it off
+the device before anything queued later can overwrite it). A match that runs out in both tiers
+continues with blocks fetched from the store (`load_stored`): they get fresh device blocks, a
+FETCH transfer writes them, and they join the tree as if computed, but are not saved again.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
 from sortedcontainers import SortedList
@@ -40,6 +46,10 @@ from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LRU, EvictionPolicy, SessionAware
 from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
 from radixkv.errors import InvariantError
+
+if TYPE_CHECKING:
+    from radixkv.kvstore.keys import KeySpace
+    from radixkv.kvstore.store import StoredRun
 
 
 class RadixNode:
@@ -130,9 +140,18 @@ def block_key(tokens: list[int]) -> int:
 
 class RadixCache:
     def __init__(
-        self, pool: BlockPool, policy: EvictionPolicy | None = None, host: HostTier | None = None
+        self,
+        pool: BlockPool,
+        policy: EvictionPolicy | None = None,
+        host: HostTier | None = None,
+        store_keys: KeySpace | None = None,
     ) -> None:
         self.pool = pool
+        self.store_keys = store_keys
+        if store_keys is not None and store_keys.block_size != pool.block_size:
+            raise ValueError("the KV store's block size must be the device pool's")
+        self.num_saved = 0  # blocks queued for the KV store
+        self.num_fetched = 0  # blocks fetched from the KV store into the tree
         self.block_size = pool.block_size
         self.policy = policy or LRU()
         self.policy.sized(pool.num_blocks, pool.block_size)
@@ -215,7 +234,41 @@ class RadixCache:
         stay and the caller's are reported redundant; where it holds it on the host only, the
         node takes the caller's blocks as its device copy. A leaf that ends inside a block and
         is extended takes the caller's fuller copy of that block in place of its own.
+        With a KV store, the full blocks it caches anew are queued for the store.
         """
+        return self._insert(tokens, blocks, session, save=True)
+
+    def load_stored(
+        self, tokens: list[int], match: MatchResult, stored: StoredRun, session: str | None
+    ) -> int:
+        """Continues `match` (of `tokens`, just made) with the blocks of `stored` from where its
+        whole blocks end, as far as device blocks can be had: they are allocated, queued to be
+        written from the fetched data, and cached as `tokens`' next blocks. Returns the tokens
+        added; match again to use them."""
+        B = self.block_size
+        start = match.node.end // B
+        first = start - stored.first_block
+        if first < 0:  # the tree lost blocks before the run since it was looked up: no chain
+            return 0
+        run = stored.blocks[first : len(tokens) // B - stored.first_block]
+        if not run:
+            return 0
+        self.inc_lock(match.node)
+        if len(run) > self.pool.num_free:
+            self.evict(len(run) - self.pool.num_free)
+        run = run[: self.pool.num_free]
+        if run:
+            blocks = self.pool.allocate(len(run))
+            self.transfers.add(TransferKind.FETCH, run, blocks)
+            self.num_fetched += len(run)
+            end = (start + len(run)) * B
+            self._insert(tokens[:end], self._path_blocks(match.node) + blocks, session, save=False)
+            for b in blocks:  # the tree holds its own; a block it declined (a collision) is free
+                self.pool.decref(b)
+        self.dec_lock(match.node)
+        return len(run) * B
+
+    def _insert(self, tokens: list[int], blocks: list[int], session: str | None, save: bool) -> InsertResult:
         n = len(tokens)
         nb = -(-n // self.block_size)
         if len(blocks) < nb:
@@ -240,7 +293,19 @@ class RadixCache:
                 self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb], session)
         cached = self._blocks_along(tokens, nb)
         redundant = [b for b, c in zip(blocks[:nb], cached, strict=False) if b != c]
+        if save and self.store_keys is not None and n // B > num_cached // B:
+            self._save(tokens, blocks, cached, num_cached // B)
         return InsertResult(num_cached, redundant)
+
+    def _save(self, tokens: list[int], blocks: list[int], cached: list[int], first: int) -> None:
+        """Queues for the store the full blocks from `first` on that the tree took from `blocks`.
+        Keyed unsalted: inserts carry no cache salt yet (`KeySpace.block_keys` takes one)."""
+        full = len(tokens) // self.block_size
+        keys = self.store_keys.block_keys(tokens, full)
+        new = [i for i in range(first, full) if i < len(cached) and cached[i] == blocks[i]]
+        if new:
+            self.transfers.add(TransferKind.SAVE, [blocks[i] for i in new], [keys[i] for i in new])
+            self.num_saved += len(new)
 
     # ---------------------------------------------------------- locks, evict
 

@@ -22,6 +22,7 @@ from radixkv.model.host_kv import HostKVCache
 from radixkv.model.layered_load import LayeredLoad, send
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
+from radixkv.model.stored_kv import block_payloads, gather_blocks, stage_payloads
 
 
 @dataclass(slots=True)
@@ -100,8 +101,9 @@ class ModelRunner:
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
-        on_cuda = self.host is not None and self.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"  # the side stream of host-tier and store loads
         self.load_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self.store = None  # the engine's KVStore, when it has one (`save`, `fetch`)
         self.pending_load: LayeredLoad | None = None
         self.last_load: LayeredLoad | None = None  # the last finished one, with its staging
         self.num_layered_loads = 0  # forwards that wrote their loads layer by layer
@@ -229,6 +231,39 @@ class ModelRunner:
         if self.pending_load is None:
             self.pending_load = LayeredLoad(self.kv_cache, self.load_stream)
         self.pending_load.add_load(self.host.stage(src), dst)
+
+    @torch.inference_mode()
+    def save(self, src: list[int], keys: list[bytes]) -> None:
+        """Copies device blocks `src` to the host now and queues them for the KV store under
+        `keys`; when the store's write queue has no room, copies nothing (the store counts the
+        dropped writes). Pending loads into any of `src` are finished first. A failure here
+        loses these writes only: it never fails the step (nothing in the cache waits on them)."""
+        if not src or not self.store.has_room(len(src)):
+            return
+        self._check_block_ids(src)
+        if self.pending_load is not None and self.pending_load.writes_any(src):
+            self._finish_early()
+        try:
+            rows = gather_blocks(self.kv_cache, src)
+        except Exception as exc:
+            self.store.lost(len(src), exc)
+            return
+        self.store.save(keys, lambda: block_payloads(rows))
+
+    def fetch(self, src: list, dst: list[int]) -> None:
+        """Writes blocks fetched from the KV store (`StoredBlock`s) into device blocks `dst`,
+        layer by layer during the next forward, as `load` does."""
+        self._check_block_ids(dst)
+        if not src:
+            return
+        if self.pending_load is None:
+            self.pending_load = LayeredLoad(self.kv_cache, self.load_stream)
+        self.pending_load.add_load(stage_payloads([b.payload for b in src], self.kv_cache), dst)
+
+    def finish_loads(self) -> None:
+        """Completes the pending loads now, without a forward (the engine is closing)."""
+        if self.pending_load is not None:
+            self._finish_early()
 
     @torch.inference_mode()
     def _finish_early(self) -> None:

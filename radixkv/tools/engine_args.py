@@ -44,6 +44,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_cache_switch
     engine.add_argument(
         "--preemption-mode", default="recompute", choices=PREEMPTION_MODES, help="swap needs the host tier"
     )
+    engine.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="URL",
+        help="a KV store behind the memory tiers that restarts and replicas share: file:///DIR[?max_bytes=N] "
+        "or redis://HOST:PORT/DB",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -65,4 +72,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         host_kv_cache_memory=args.host_kv_cache_memory,
         host_write_through=args.host_write_through,
         preemption_mode=args.preemption_mode,
+        kv_store=args.kv_store,
     )

@@ -169,6 +169,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "cow_copies": m["num_cow_copies"],
         "host_hit_rate": m["host_cache_hits"] / prompt if prompt else 0.0,
         "failed_requests": len(result.failed),
+        "store_hit_rate": m.get("store_cache_hits", 0) / prompt if prompt else 0.0,
     }
 
 
@@ -260,11 +261,12 @@ def run(args: argparse.Namespace) -> int:
         "host_kv_cache_memory": config.host_kv_cache_memory,
         "host_write_through": config.host_write_through,
         "preemption_mode": config.preemption_mode,
+        "kv_store": config.kv_store,
     }
     if args.compare_host_tier and not base["host_kv_cache_memory"]:
         raise ValueError("--compare-host-tier needs --host-kv-cache-memory")
     progress = sys.stderr.isatty() and not args.json
-    device_only = replace(config, host_kv_cache_memory=0, preemption_mode="recompute")
+    device_only = replace(config, host_kv_cache_memory=0, preemption_mode="recompute", kv_store=None)
     configs = {"prefix_cache": config}
     if args.compare_host_tier:
         configs["no_host_tier"] = device_only
@@ -328,6 +330,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("prompt tokens", "{:,d}", lambda r: r["prompt_tokens"]),
         ("hit rate", "{:.3f}", lambda r: r["hit_rate"]),
         ("host hit rate", "{:.3f}", lambda r: r["host_hit_rate"]),
+        ("store hit rate", "{:.3f}", lambda r: r.get("store_hit_rate", 0.0)),
         ("TTFT mean (s)", "{:.3f}", lambda r: r["ttft_s"]["mean"]),
         ("TTFT p50 (s)", "{:.3f}", lambda r: r["ttft_s"]["p50"]),
         ("TTFT p90 (s)", "{:.3f}", lambda r: r["ttft_s"]["p90"]),

@@ -46,6 +46,7 @@ SERVER_COUNTERS = {
     "num_evicted_blocks": "radixkv_num_evicted_blocks",
     "num_cow_copies": "radixkv_num_cow_copies",
     "host_cache_hits": "radixkv_host_cache_hits",
+    "store_cache_hits": "radixkv_store_cache_hits",
 }
 MAX_RETRIES_503 = 100
 

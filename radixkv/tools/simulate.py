@@ -9,6 +9,11 @@ A hash-id trace request's prompt is its ids' tokens; it is cached once served, a
 is not (the trace does not say what it was). A workload's turns arrive at the session's arrival
 plus the think times before them, and each reply is a run of fresh placeholder tokens of the
 turn's `max_tokens`, cached with its prompt, as the engine's own reply would be.
+
+With `--store-blocks N`, a KV store of N blocks (least recently used out first) stands behind
+the cache: every full block cached is written to it, and a match that runs out continues with
+the consecutive blocks the store holds, as in the engine (`radixkv.kvstore`). Replicas share one
+store (`simulate_replicas`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from radixkv.cache.kv_cache_manager import NO_DATA, KVCacheManager
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
+from radixkv.kvstore import KeySpace, MemoryBackend, StoredBlock, StoredRun
 from radixkv.router import ROUTERS
 from radixkv.workloads.format import Workload, read_workload
 from radixkv.workloads.traces import HashIdTokens, iter_lines, read_hash_trace
@@ -58,6 +64,8 @@ class SimulationResult:
     host_blocks: int | None = None  # with a host tier
     host_hit_tokens: int | None = None  # the part of hit_tokens loaded from the host tier
     window_trajectory: tuple[tuple[int, float], ...] = ()  # `adaptive`: (ghost hits, window share)
+    store_blocks: int | None = None  # with a KV store
+    store_hit_tokens: int | None = None  # the part of hit_tokens fetched from the store
 
     def as_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "window_trajectory"}
@@ -66,7 +74,44 @@ class SimulationResult:
 class Hits(NamedTuple):
     tokens: int  # prompt tokens found in the cache
     host_tokens: int  # of them, those loaded back from the host tier
+    store_tokens: int = 0  # of them, those fetched from the KV store
     window_trajectory: tuple[tuple[int, float], ...] = ()  # the `adaptive` policy's window
+
+
+class SimulatedStore:
+    """The KV store without data: an LRU of `capacity` block keys that every cache serving
+    through it shares. It is the block mover of those caches (saves put keys; the rest moves
+    nothing) and answers their lookups at once."""
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.backend = MemoryBackend(capacity)
+        self.keyspace = KeySpace("simulate", "none", block_size)
+
+    def run(self, kv: KVCacheManager, prompt: list[int]) -> StoredRun:
+        """The stored blocks that continue the cache's match of `prompt` (as admission sees it)."""
+        tokens = prompt[:-1]
+        keys = self.keyspace.block_keys(tokens, len(tokens))
+        start = kv.cache.cached_prefix_len(tokens) // self.keyspace.block_size
+        present = self.backend.exists(keys[start:])
+        n = next((i for i, p in enumerate(present) if not p), len(present))
+        self.backend.get(keys[start : start + n])  # read: recently used
+        return StoredRun(start, [StoredBlock(b"") for _ in range(n)])
+
+    def save(self, src: list[int], keys: list[bytes]) -> None:
+        self.backend.put([(k, b"") for k in keys])
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def offload(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def load(self, src: list[int], dst: list[int]) -> None:
+        pass
+
+    def fetch(self, src: list[StoredBlock], dst: list[int]) -> None:
+        pass
 
 
 def requests_from_trace(path: str | Path, hash_block: int) -> list[CacheRequest]:
@@ -129,40 +174,54 @@ def cache_hits(
     eviction: str,
     host_blocks: int | None = None,
     write_through: bool = False,
+    store_blocks: int | None = None,
 ) -> Hits:
     """Prompt tokens the cache finds, serving `requests` in order at this capacity, with a host
-    tier of `host_blocks` behind it when given."""
+    tier of `host_blocks` and a KV store of `store_blocks` behind it when given."""
     pool = BlockPool(capacity_blocks, block_size)
     host = HostTier(host_blocks, block_size, write_through=write_through) if host_blocks is not None else None
+    store = SimulatedStore(store_blocks, block_size) if store_blocks is not None else None
+    keys = store.keyspace if store is not None else None
     if eviction == OfflineOptimal.name:
         oracle = OfflineOptimal([r.prompt for r in requests], block_size)
-        return serve(KVCacheManager(pool, RadixCache(pool, oracle, host)), requests, oracle)
-    return serve(KVCacheManager(pool, RadixCache(pool, make_policy(eviction), host)), requests)
+        return serve(KVCacheManager(pool, RadixCache(pool, oracle, host, keys)), requests, oracle, store)
+    cache = RadixCache(pool, make_policy(eviction), host, keys)
+    return serve(KVCacheManager(pool, cache), requests, None, store)
 
 
-def serve(kv: KVCacheManager, requests: list[CacheRequest], oracle: OfflineOptimal | None = None) -> Hits:
+def serve(
+    kv: KVCacheManager,
+    requests: list[CacheRequest],
+    oracle: OfflineOptimal | None = None,
+    store: SimulatedStore | None = None,
+) -> Hits:
     """Serves `requests` one at a time through `kv`, as the engine would; returns the prompt
-    tokens found in the cache. The offline `oracle`, when given, learns each request's index."""
-    hits = host_hits = 0
+    tokens found in the cache. The offline `oracle`, when given, learns each request's index.
+    With a `store` (which `kv`'s cache keys its blocks for), matches continue there."""
+    hits = host_hits = store_hits = 0
+    mover = store if store is not None else NO_DATA
     for i, req in enumerate(requests):
         if oracle is not None:
             oracle.advance(i)
-        table = kv.admit(req.prompt, session=req.session)
+        stored = store.run(kv, req.prompt) if store is not None and len(req.prompt) > 1 else None
+        table = kv.admit(req.prompt, session=req.session, stored=stored)
         hits += table.num_tokens
         host_hits += table.num_loaded_tokens
+        store_hits += table.num_stored_tokens
         tokens = req.prompt + req.output
         try:
             kv.reserve([(table, len(tokens) - table.num_tokens)])
         except OutOfBlocks:  # longer than the whole cache: served, but not cached
             kv.release(table)
         else:
-            kv.run_transfers(NO_DATA)
+            kv.run_transfers(mover)
             kv.cache_finished(table, tokens)
         if req.closes_session:
             kv.close_session(req.session)
-    kv.run_transfers(NO_DATA)
+    kv.run_transfers(mover)
     policy = kv.cache.policy
-    return Hits(hits, host_hits, tuple(policy.trajectory) if isinstance(policy, Adaptive) else ())
+    trajectory = tuple(policy.trajectory) if isinstance(policy, Adaptive) else ()
+    return Hits(hits, host_hits, store_hits, trajectory)
 
 
 def ideal_hit_rate(requests: list[CacheRequest], block_size: int) -> float:
@@ -179,16 +238,18 @@ def simulate(
     evictions: list[str],
     host_blocks: int | None = None,
     write_through: bool = False,
+    store_blocks: int | None = None,
 ) -> list[SimulationResult]:
     """One result per capacity and policy, capacities outer, policies in the order given; with
-    `host_blocks`, each capacity has a host tier of that many blocks behind it."""
+    `host_blocks`, each capacity has a host tier of that many blocks behind it, and with
+    `store_blocks` a KV store of that many blocks behind both."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests, block_size)
     results = []
     for capacity, eviction in itertools.product(capacities, evictions):
         gc.collect()  # the previous run's tree, so that its teardown is not timed here
         start = time.perf_counter()
-        hits = cache_hits(requests, capacity, block_size, eviction, host_blocks, write_through)
+        hits = cache_hits(requests, capacity, block_size, eviction, host_blocks, write_through, store_blocks)
         seconds = time.perf_counter() - start
         results.append(
             SimulationResult(
@@ -204,6 +265,8 @@ def simulate(
                 host_blocks=host_blocks,
                 host_hit_tokens=hits.host_tokens if host_blocks is not None else None,
                 window_trajectory=hits.window_trajectory,
+                store_blocks=store_blocks,
+                store_hit_tokens=hits.store_tokens if store_blocks is not None else None,
             )
         )
     return results
@@ -232,6 +295,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--write-through", action="store_true", help="copy blocks to the host tier as they are cached"
+    )
+    parser.add_argument(
+        "--store-blocks",
+        type=_positive_blocks,
+        help="a KV store of this many blocks behind the cache (shared by --replicas)",
     )
     parser.add_argument("--hash-block", type=int, default=512, help="tokens per hash id of a trace")
     parser.add_argument("--model", default="tiny-llama", help="tokenizer for text workloads")
@@ -264,7 +332,13 @@ def run(args: argparse.Namespace) -> int:
     if args.write_through and args.host_blocks is None:
         raise SystemExit("--write-through needs --host-blocks")
     results = simulate(
-        requests, args.capacity_blocks, args.block_size, args.eviction, args.host_blocks, args.write_through
+        requests,
+        args.capacity_blocks,
+        args.block_size,
+        args.eviction,
+        args.host_blocks,
+        args.write_through,
+        args.store_blocks,
     )
     if args.trajectory is not None:
         write_trajectories(args.trajectory, results)
@@ -292,16 +366,22 @@ def print_table(name: str, results: list[SimulationResult]) -> None:
     print(f"{name}: {r0.requests} requests, {r0.prompt_tokens} prompt tokens, block size {r0.block_size}")
     if r0.host_blocks is not None:
         print(f"host tier: {r0.host_blocks} blocks behind each capacity")
+    if r0.store_blocks is not None:
+        print(f"KV store: {r0.store_blocks} blocks behind each capacity")
     optimal = {r.capacity_blocks: r.hit_rate for r in results if r.eviction == OfflineOptimal.name}
     head = f"{'capacity (blocks)':>18} {'eviction':>9} {'hit rate':>9}"
     head += f" {'device':>7} {'host':>7}" if r0.host_blocks is not None else ""
+    head += f" {'store':>7}" if r0.store_blocks is not None else ""
     head += f" {'ideal':>7} {'of ideal':>9}"
     print(head + (f" {'of optimal':>11}" if optimal else "") + f" {'tokens/s':>11}")
     for r in results:
         line = f"{r.capacity_blocks:>18} {r.eviction:>9} {r.hit_rate:>9.4f} "
+        store = (r.store_hit_tokens or 0) / max(r.prompt_tokens, 1)
         if r.host_hit_tokens is not None:
             host = r.host_hit_tokens / max(r.prompt_tokens, 1)
-            line += f"{r.hit_rate - host:>7.4f} {host:>7.4f} "
+            line += f"{r.hit_rate - host - store:>7.4f} {host:>7.4f} "
+        if r.store_hit_tokens is not None:
+            line += f"{store:>7.4f} "
         line += f"{r.ideal_hit_rate:>7.3f} {_share(r.hit_rate, r.ideal_hit_rate):>9.2f}"
         if optimal:
             best = optimal.get(r.capacity_blocks)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache, make_policy
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.router import Router
-from radixkv.tools.simulate import CacheRequest, ideal_hit_rate, serve
+from radixkv.tools.simulate import CacheRequest, Hits, SimulatedStore, ideal_hit_rate, serve
 
 IN_FLIGHT_PER_REPLICA = 8
 
@@ -43,6 +43,8 @@ class ReplicaSimulationResult:
     router: str
     imbalance: float  # busiest replica's requests / mean requests per replica
     requests_per_replica: list[int]
+    store_blocks: int | None = None  # a KV store of this many blocks, shared by the replicas
+    store_hit_tokens: int | None = None  # the part of hit_tokens fetched from the store
 
 
 def replica_hit_tokens(
@@ -52,21 +54,27 @@ def replica_hit_tokens(
     capacity_blocks: int,
     block_size: int,
     eviction: str,
-) -> tuple[int, Router]:
-    """Prompt tokens found routing `requests` by `router`, and the router with its counts."""
+    store_blocks: int | None = None,
+) -> tuple[Hits, Router]:
+    """Prompt tokens found routing `requests` by `router` (with a KV store of `store_blocks`
+    that every replica shares), and the router with its counts."""
+    store = SimulatedStore(store_blocks, block_size) if store_blocks is not None else None
+    keys = store.keyspace if store is not None else None
     pools = [BlockPool(capacity_blocks, block_size) for _ in range(replicas)]
-    caches = [KVCacheManager(pool, RadixCache(pool, make_policy(eviction))) for pool in pools]
+    caches = [KVCacheManager(pool, RadixCache(pool, make_policy(eviction), None, keys)) for pool in pools]
     routing = Router(router, replicas, capacity_blocks, block_size, eviction=eviction)
     in_flight: deque[tuple[int, list[int]]] = deque()
-    hits = 0
+    hits = store_hits = 0
     for req in requests:
         decision = routing.choose(req.prompt)
-        hits += serve(caches[decision.replica], [req]).tokens
+        served = serve(caches[decision.replica], [req], None, store)
+        hits += served.tokens
+        store_hits += served.store_tokens
         routing.dispatch(decision, req.prompt)
         in_flight.append((decision.replica, req.prompt + req.output))
         if len(in_flight) > IN_FLIGHT_PER_REPLICA * replicas:
             routing.complete(*in_flight.popleft())
-    return hits, routing
+    return Hits(hits, 0, store_hits), routing
 
 
 def simulate_replicas(
@@ -76,19 +84,23 @@ def simulate_replicas(
     capacities: list[int],
     block_size: int,
     evictions: list[str],
+    store_blocks: int | None = None,
 ) -> list[ReplicaSimulationResult]:
-    """One result per capacity, eviction policy and router, in that nesting."""
+    """One result per capacity, eviction policy and router, in that nesting; with a KV store
+    of `store_blocks` that the replicas share."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests, block_size)
     results = []
     for capacity, eviction, router in itertools.product(capacities, evictions, routers):
-        hits, routing = replica_hit_tokens(requests, replicas, router, capacity, block_size, eviction)
+        hits, routing = replica_hit_tokens(
+            requests, replicas, router, capacity, block_size, eviction, store_blocks
+        )
         results.append(
             ReplicaSimulationResult(
                 requests=len(requests),
                 prompt_tokens=prompt_tokens,
-                hit_tokens=hits,
-                hit_rate=hits / max(prompt_tokens, 1),
+                hit_tokens=hits.tokens,
+                hit_rate=hits.tokens / max(prompt_tokens, 1),
                 ideal_hit_rate=ideal,
                 capacity_blocks=capacity,
                 block_size=block_size,
@@ -97,6 +109,8 @@ def simulate_replicas(
                 router=router,
                 imbalance=routing.imbalance(),
                 requests_per_replica=[s.requests for s in routing.stats],
+                store_blocks=store_blocks,
+                store_hit_tokens=hits.store_tokens if store_blocks is not None else None,
             )
         )
     return results
@@ -109,11 +123,16 @@ def print_table(name: str, results: list[ReplicaSimulationResult]) -> None:
         f"{r0.replicas} replicas"
     )
     head = f"{'router':>12} {'blocks/replica':>15} {'eviction':>9} {'hit rate':>9} {'ideal':>7}"
-    print(head + f" {'imbalance':>10}")
+    if r0.store_blocks is not None:
+        print(f"KV store: {r0.store_blocks} blocks, shared by the replicas")
+    print(head + f" {'imbalance':>10}" + (f" {'store':>7}" if r0.store_blocks is not None else ""))
     for r in results:
+        store = ""
+        if r.store_hit_tokens is not None:
+            store = f" {r.store_hit_tokens / max(r.prompt_tokens, 1):>7.3f}"
         print(
             f"{r.router:>12} {r.capacity_blocks:>15} {r.eviction:>9} {r.hit_rate:>9.3f} "
-            f"{r.ideal_hit_rate:>7.3f} {r.imbalance:>10.3f}"
+            f"{r.ideal_hit_rate:>7.3f} {r.imbalance:>10.3f}{store}"
         )
 
 
@@ -125,10 +144,16 @@ def run(args: argparse.Namespace, name: str, requests: list[CacheRequest]) -> in
         # which depend on the routing: neither is modelled across replicas
         raise SystemExit("--replicas takes online eviction policies and no --host-blocks")
     results = simulate_replicas(
-        requests, args.replicas, args.router, args.capacity_blocks, args.block_size, args.eviction
+        requests,
+        args.replicas,
+        args.router,
+        args.capacity_blocks,
+        args.block_size,
+        args.eviction,
+        args.store_blocks,
     )
     if args.json:
-        rows = [asdict(r) for r in results]
+        rows = [{k: v for k, v in asdict(r).items() if v is not None} for r in results]
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
         print()
     else:

@@ -1,0 +1,139 @@
+"""The KV store in the engine: a second engine over the same store (a restart, or another
+replica) finds what the first computed, and its greedy outputs are transformers'; damaged
+entries are recomputed, never used; a store that is down costs nothing but misses.
+
+Tiny llama, block size 4 (2 KiB a block); `check_invariants` after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from redis_server import free_port, redis_url  # noqa: F401  (a fixture)
+from test_engine import transformers_greedy
+
+from radixkv import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(24)]  # a system prompt of 6 blocks
+    return [shared + [rng.randrange(256) for _ in range(rng.randrange(10, 30))] for _ in range(n)]
+
+
+def engine(model_folders, store: str, **kwargs) -> Engine:
+    e = Engine.from_pretrained(
+        model_folders["llama"], block_size=4, kv_cache_memory="256KiB", kv_store=store, **kwargs
+    )
+    e.step_hooks.append(Engine.check_invariants)
+    return e
+
+
+def full_blocks(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // 4 * 4
+
+
+@pytest.mark.slow
+def test_a_restarted_engine_finds_what_the_last_run_computed(model_folders, reference_models, tmp_path):
+    batch = prompts(3, seed=1)
+    url = f"file://{tmp_path}"
+    with engine(model_folders, url) as first:
+        cold = first.generate(batch, GREEDY)
+        written = first.metrics()["kv_store_written_blocks"]
+    assert written > 0  # close() flushed the queue
+    with engine(model_folders, url) as second:
+        warm = second.generate(batch, GREEDY)
+    m = second.metrics()  # closed: every write done
+    for prompt, a, b in zip(batch, cold, warm, strict=True):
+        assert b.num_cached_tokens == full_blocks(prompt)
+        assert a.token_ids == b.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+    assert m["store_cache_hits"] == sum(full_blocks(p) for p in batch) - 2 * 24  # the others hit memory
+    assert m["kv_store_hit_blocks"] >= m["store_cache_hits"] // 4 and m["kv_store_read_bytes"] > 0
+    # What was fetched is not written back; only the blocks the replies filled are written again.
+    assert m["kv_store_written_blocks"] == sum((len(p) + 5) // 4 - (len(p) - 1) // 4 for p in batch)
+    text = second.metrics_text()
+    for name in ("store_cache_hits", "kv_store_hit_blocks", "kv_store_write_queue_blocks", "kv_store_errors"):
+        assert f"radixkv_{name}" in text
+
+
+@pytest.mark.slow
+def test_damaged_entries_are_recomputed_never_used(model_folders, reference_models, tmp_path):
+    batch = prompts(2, seed=2)
+    url = f"file://{tmp_path}"
+    with engine(model_folders, url) as first:
+        first.generate(batch, GREEDY)
+    files = sorted(p for p in tmp_path.rglob("*.kv"))
+    assert len(files) >= 12
+    rng = random.Random(0)
+    for i, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if i % 2:
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)  # a flipped bit, anywhere
+        else:
+            data = data[: rng.randrange(len(data))]  # a truncated write
+        path.write_bytes(bytes(data))
+    with engine(model_folders, url) as second:
+        outs = second.generate(batch, GREEDY)
+        m = second.metrics()
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+    assert m["store_cache_hits"] == 0 and m["kv_store_corrupt_entries"] >= 1
+
+
+@pytest.mark.slow
+def test_replicas_sharing_a_redis_store_find_each_others_blocks(
+    model_folders, reference_models, redis_url  # noqa: F811
+):
+    batch = prompts(2, seed=3)
+    with engine(model_folders, redis_url) as a, engine(model_folders, redis_url) as b:
+        a.generate(batch, GREEDY)
+        assert a.store.flush(30)
+        outs = b.generate(batch, GREEDY)
+        assert b.metrics()["store_cache_hits"] == sum(full_blocks(p) for p in batch) - 24
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.num_cached_tokens == full_blocks(prompt)
+        assert out.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+
+
+def test_a_store_that_is_down_is_only_misses(model_folders, reference_models):
+    batch = prompts(2, seed=4)
+    with engine(model_folders, f"redis://127.0.0.1:{free_port()}/0") as e:
+        outs = e.generate(batch, GREEDY)
+        m = e.metrics()
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+    assert m["kv_store_errors"] >= 1 and m["store_cache_hits"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"kv_store": "s3://x"}, {"kv_store": "file:///tmp/x", "enable_prefix_cache": False}]
+)
+def test_bad_store_configs_are_clear_errors(bad):
+    from radixkv import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_store"):
+        EngineConfig(device="cpu", **bad)
+
+
+def test_a_failed_copy_off_the_device_loses_only_those_writes(
+    model_folders, reference_models, tmp_path, monkeypatch
+):
+    from radixkv.model import runner
+
+    def broken(kv_cache, blocks):
+        raise RuntimeError("injected: device copy failed")
+
+    monkeypatch.setattr(runner, "gather_blocks", broken)
+    batch = prompts(2, seed=5)
+    with engine(model_folders, f"file://{tmp_path}") as e:
+        outs = e.generate(batch, GREEDY)
+        again = e.generate(batch, GREEDY)  # the cache is intact: the device tier hits
+    m = e.metrics()
+    for prompt, out, hit in zip(batch, outs, again, strict=True):
+        assert out.token_ids == hit.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+        assert hit.num_cached_tokens == len(prompt) - 1
+    assert m["kv_store_dropped_writes"] > 0 and m["kv_store_errors"] >= 1
+    assert m["kv_store_written_blocks"] == 0
