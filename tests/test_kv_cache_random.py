@@ -88,7 +88,7 @@ class Harness:
             owner, resumed, salt = self.swapped.pop(self.rng.randrange(len(self.swapped)))
             tokens = resumed + [self.rng.randrange(3)]
         session = self.rng.choice([None, "a", "b", "c"])
-        table = self.kv.admit(tokens, owner, session, salt)
+        table = self.kv.admit(tokens, owner, session, salt=salt)
         self.salt_of[table] = salt
         if resumed is not None:
             self.kv.swap_in(owner)
