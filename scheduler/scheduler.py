@@ -51,6 +51,8 @@ class ScheduledSeq(SequenceChunk):
         self.request, self.seq = request, seq
         self.token_ids, self.start_pos, self.block_table = seq.tokens[start:end], start, seq.table.blocks
         self.logits = "last" if end == len(seq.tokens) else "none"
+        if request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+            self.logits = "all"  # the prompt's logprobs: one row per token, the last maybe sampled
 
 
 class Scheduler:
@@ -154,7 +156,9 @@ class Scheduler:
                 continue
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
-                seq.table = self.kv.admit(seq.tokens, request.request_id, request.session_id)
+                seq.table = self.kv.admit(
+                    seq.tokens, request.request_id, request.session_id, request.max_cached_prompt
+                )
             cached = request.seqs[0].table.num_tokens
             plan = self._plan(request, budget)
             need = self.kv.blocks_needed([(s.table, n) for s, n in plan])
@@ -234,13 +238,21 @@ class Scheduler:
         seqs: list[Sequence] = []
         rows: list[int] = []
         beam_rows: dict[str, Request] = {}
-        forked = False
+        forked = False  # the sampled rows are not the logits in order
         row = 0
         for item in batch:
             seq, request = item.seq, item.request
             if seq.table.num_tokens <= seq.num_prompt_tokens:
                 self.kv.cache_running(seq.table, seq.tokens)
-            if item.logits != "last":
+            if item.logits == "all":
+                num_rows = len(item.token_ids)
+                _record_prompt_logprobs(request, item.start_pos, logits[row : row + num_rows])
+                forked = True
+                row += num_rows - 1  # the last row: sampled if the chunk ends the prompt
+                if item.start_pos + num_rows < len(seq.tokens):
+                    row += 1
+                    continue
+            elif item.logits != "last":
                 continue
             if request.is_beam_search:
                 seq.logprobs = compute_logprobs(logits[row])
@@ -261,7 +273,7 @@ class Scheduler:
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
             params = [request.params for request in requests]
-            tokens = sample(chosen, params, [seq.generator for seq in seqs])
+            tokens = sample(chosen, params, [seq.generator for seq in seqs], seqs, self.eos)
             records = token_logprobs(chosen, tokens, [p.logprobs for p in params])
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens.tolist(), records, strict=True):
@@ -347,3 +359,23 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
+
+
+def _record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor) -> None:
+    """Appends the records of the prompt tokens that `rows` (the logits of positions `start`
+    on) predict and that are not recorded yet: row r gives prompt token `start + r + 1`. A
+    chunk recomputed after a preemption records nothing twice."""
+    records = request.prompt_logprobs
+    prompt = request.prompt_ids
+    first = max(start, len(records) - 1)
+    end = min(start + rows.shape[0], len(prompt) - 1)
+    if first >= end:
+        return
+    targets = torch.tensor(prompt[first + 1 : end + 1], device=rows.device)
+    k = request.params.prompt_logprobs
+    rows = rows[first - start : end - start]
+    new = token_logprobs(rows, targets, [k] * (end - first))
+    chosen = rows.gather(1, targets.unsqueeze(1))
+    for record, rank in zip(new, ((rows > chosen).sum(dim=1) + 1).tolist(), strict=True):
+        record.rank = rank
+    records += new

@@ -120,17 +120,25 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, tokens: list[int], owner: object = None, session: str | None = None) -> BlockTable:
+    def admit(
+        self,
+        tokens: list[int],
+        owner: object = None,
+        session: str | None = None,
+        max_match: int | None = None,
+    ) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
-        last token, which is always computed so that its logits exist. A `session` is live
-        from its first admission until `close_session`."""
+        last token, which is always computed so that its logits exist, and at most `max_match`
+        tokens (positions whose logits are wanted are computed). A `session` is live from its
+        first admission until `close_session`."""
         if self.cache is None:
             return self._register(BlockTable([], owner=owner, session=session))
         if session is not None:
             self.cache.set_session_live(session, True)
-        if len(tokens) < 2:
+        limit = len(tokens) - 1 if max_match is None else min(len(tokens) - 1, max_match)
+        if limit < 1:
             return self._register(BlockTable([], owner=owner, session=session))
-        match = self.cache.match_prefix(tokens[:-1], session)
+        match = self.cache.match_prefix(tokens[:limit], session)
         self.cache.inc_lock(match.node)
         for b in match.blocks:
             self.pool.incref(b)

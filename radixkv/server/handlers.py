@@ -49,7 +49,11 @@ async def create(
         prompts = [_prompt_ids(engine, p) for p in body.prompts]
         default = COMPLETIONS_MAX_TOKENS
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
+    echo = not chat and body.echo
+    fmt = Formatter(
+        request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids,
+        echo=echo, echo_top=body.logprobs if echo else None, prompt_top=body.prompt_logprobs,
+    )
     tokens = max_tokens(body, default)
     try:
         if body.stream:

@@ -45,10 +45,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their defaults only (see `unsupported`).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as OpenAI spells them
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     # Extras.
     top_k: int = -1
     ignore_eos: bool = False
@@ -58,16 +60,14 @@ class _Common(BaseModel):
     early_stopping: bool | Literal["never"] = False
     return_tokens_as_token_ids: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # see server.sessions
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (whole responses)
 
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            name = "presence_penalty" if self.presence_penalty != 0 else "frequency_penalty"
-            raise APIError.bad_request(name, f"{name} is not supported; leave it at 0")
-        if self.logit_bias:
-            raise APIError.bad_request("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options", "stream_options needs stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError.bad_request("prompt_logprobs", "prompt_logprobs needs stream: false")
         if self.use_beam_search and self.stream:
             raise APIError.bad_request(
                 "stream", "beam search returns finished beams only: set stream to false"
@@ -94,8 +94,8 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
     def check_supported(self) -> None:
-        if self.echo:
-            raise APIError.bad_request("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise APIError.bad_request("echo", "echo needs stream: false")
         if self.suffix:
             raise APIError.bad_request("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
