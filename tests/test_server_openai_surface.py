@@ -19,8 +19,9 @@ from radixkv.server.app import build_app
 PROMPT = "The cat sat on the mat"
 
 
-def with_client(folder, test: Callable[[openai.AsyncOpenAI, Any], Awaitable[Any]]) -> Any:
-    """Runs `test(client, engine)` against a fresh engine and app; returns its result."""
+def with_client(folder, test: Callable[[Any, Any], Awaitable[Any]], raw: bool = False) -> Any:
+    """Runs `test(client, engine)` against a fresh engine and app (`client` the openai client, or
+    with `raw` the httpx client under it); returns its result."""
 
     async def main() -> Any:
         engine = AsyncEngine(EngineConfig(model=str(folder), block_size=4, kv_cache_memory="8MiB"))
@@ -29,7 +30,7 @@ def with_client(folder, test: Callable[[openai.AsyncOpenAI, Any], Awaitable[Any]
         async with httpx.AsyncClient(transport=transport, base_url="http://radixkv") as http:
             client = openai.AsyncOpenAI(base_url="http://radixkv/v1", api_key="x", http_client=http)
             try:
-                return await test(client, engine)
+                return await test(http if raw else client, engine)
             finally:
                 await engine.shutdown()
 
@@ -187,3 +188,69 @@ def test_logit_bias_of_100_forces_a_token_and_penalties_are_honoured(model_folde
     assert chat.choices[0].message.content == "QQQQ"
     assert penalized.usage.completion_tokens == 8
     assert penalized.choices[0].text != plain.choices[0].text  # the penalties change greedy output
+
+
+def test_tokenizer_endpoints_and_model_routes_in_vllm_shapes(model_folders):
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def test(http, engine):
+        text = await http.post("/tokenize", json={"model": "tiny", "prompt": "héllo"})
+        chat = await http.post("/tokenize", json={"model": "tiny", "messages": messages})
+        back = await http.post("/detokenize", json={"model": "tiny", "tokens": text.json()["tokens"]})
+        bad = await http.post("/detokenize", json={"tokens": [10**6]})
+        neither = await http.post("/tokenize", json={"model": "tiny"})
+        info = await http.get("/tokenizer_info")
+        card = await http.get("/v1/models/tiny")
+        missing = await http.get("/v1/models/other")
+        version = await http.get("/version")
+        spec = await http.get("/openapi.json")
+        docs = await http.get("/docs")
+        template = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want_chat = engine.tokenizer.encode(template, add_special_tokens=False)
+        return text, chat, back, bad, neither, info, card, missing, version, spec, docs, want_chat, engine
+
+    text, chat, back, bad, neither, info, card, missing, version, spec, docs, want_chat, engine = with_client(
+        model_folders["llama"], test, raw=True
+    )
+    want = {"tokens": list("héllo".encode()), "count": 6, "max_model_len": engine.max_model_len}
+    assert text.json() == want
+    assert chat.json()["tokens"] == want_chat and chat.json()["count"] == len(want_chat)
+    assert back.json() == {"prompt": "héllo"}
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+    assert info.json()["eos_token"] == "<|im_end|>" and "im_start" in info.json()["chat_template"]
+    assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
+    assert missing.status_code == 404
+    assert version.json()["version"]
+    assert "/tokenize" in spec.json()["paths"] and docs.status_code == 200
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(model_folders):
+    async def test(client, engine):
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = with_client(model_folders["llama"], test)
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+
+
+def test_tool_choice_without_tools_is_refused(model_folders):
+    async def test(client, engine):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], tool_choice="auto"
+            )
+        return info.value.body
+
+    assert with_client(model_folders["llama"], test)["param"] == "tool_choice"

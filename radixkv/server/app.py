@@ -9,6 +9,9 @@ metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the 
 OpenAI's shape. While the application runs, a task closes the chat sessions idle past their
 timeout. When it shuts down (after uvicorn's graceful period), the engine aborts what is still
 going and stops its loop thread.
+
+Also served: `GET /v1/models/{id}`, `GET /version`, the tokenizer routes
+(`radixkv.server.tokenizer_routes`), and FastAPI's `/openapi.json` and `/docs`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+import radixkv
 from radixkv.server import handlers
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
@@ -33,6 +37,7 @@ from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
 from radixkv.server.state import ServerState
+from radixkv.server.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("radixkv.server")
 
@@ -71,7 +76,7 @@ def build_app(
                     await expiry
             await engine.shutdown()
 
-    app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixkv", version=radixkv.__version__, lifespan=lifespan, redoc_url=None)
     app.state.radixkv = state
 
     @app.exception_handler(APIError)
@@ -101,14 +106,28 @@ def build_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state.authorize(request.headers.get("authorization"))
-        card = {
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": state.created,
             "owned_by": "radixkv",
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # an id may hold "/"
+    async def model(request: Request, model_id: str) -> dict:
+        state.authorize(request.headers.get("authorization"))
+        state.check_model(model_id)
+        return model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": radixkv.__version__}
+
+    add_tokenizer_routes(app, state, _parse)
 
     @app.delete("/v1/sessions/{session_id:path}")  # an id may hold "/"
     async def close_session(request: Request, session_id: str) -> dict:

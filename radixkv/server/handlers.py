@@ -75,7 +75,7 @@ async def create(
     count = len(prompts) * (body.n if body.stream else 1)
     state.admit(count, body.session_id)
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat)
+        events = _events(state, streams, fmt, body.include_usage, chat, continuous=body.continuous_usage)
 
         async def end_stream() -> None:
             state.release(count, body.session_id)
@@ -138,9 +138,12 @@ async def _events(
     fmt: Formatter,
     include_usage: bool,
     chat: bool,
+    *,
+    continuous: bool = False,
 ) -> AsyncIterator[str]:
-    """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
-    chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event."""
+    """The SSE body: a chunk per piece of text (or per token, with logprobs), each with the
+    usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. An engine
+    failure mid-stream is sent as an error event."""
     opened: set[int] = set()
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -153,7 +156,10 @@ async def _events(
             if not delta.text and delta.finish_reason is None and delta.logprobs is None:
                 continue  # held back (part of a character, or maybe a stop string)
             choice = Choice(index, delta.text, delta.finish_reason, delta.logprobs)
-            yield _sse(fmt.chunk(choice, first=chat and index not in opened))
+            chunk = fmt.chunk(choice, first=chat and index not in opened)
+            if continuous:
+                chunk["usage"] = streams.usage.as_dict()
+            yield _sse(chunk)
             opened.add(index)
         if include_usage:
             yield _sse(fmt.usage_chunk(streams.usage))

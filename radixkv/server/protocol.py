@@ -27,6 +27,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class _Common(BaseModel):
@@ -80,6 +81,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):
@@ -140,9 +145,12 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def check_supported(self) -> None:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError.bad_request("tool_choice", "tool_choice needs tools")
         if self.tools:
             raise APIError.bad_request("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
