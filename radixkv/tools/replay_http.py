@@ -97,7 +97,7 @@ class Server:
         extras = {"ignore_eos": True, "session_id": "radixkv-probe", "return_tokens_as_token_ids": True}
         status, answer = self._call("POST", path, {**body, **extras})
         if status == 200:
-            self.close_session(extras["session_id"])
+            self._call("DELETE", "/v1/sessions/" + extras["session_id"])  # whatever the answer
             return True
         if status in (400, 422):
             status, answer = self._call("POST", path, body)
