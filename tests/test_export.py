@@ -16,6 +16,7 @@ from radixkv.model.loader import load_model
 PROMPT = list(b"<|im_start|>user\nhello")
 
 
+@pytest.mark.slow  # the 4-layer preset through two engines and transformers: about 14 s here
 def test_export_writes_a_folder_transformers_and_radixkv_load(tmp_path):
     folder = tmp_path / "tiny"
     assert main(["export", "tiny-llama", str(folder), "--dtype", "float32"]) == 0
