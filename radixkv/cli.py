@@ -49,6 +49,12 @@ def _serve(args: argparse.Namespace) -> int:
     return launch.run(args)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from radixkv.tools import export
+
+    return export.run(args)
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from radixkv.tools import bench_engine
 
@@ -116,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_serve,
         bench_tp,
         engine_args,
+        export,
         replay,
         simulate,
     )
@@ -176,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     replicas = suites.add_parser("replicas", help="one engine against N replicas by router")
     bench_replicas.add_arguments(replicas)
     replicas.set_defaults(func=_bench_replicas)
+
+    exp = commands.add_parser("export", help="write a model (a preset too) as a Hugging Face folder")
+    export.add_arguments(exp)
+    exp.set_defaults(func=_export)
 
     workload = commands.add_parser("workload", help="generate or convert workload files")
     actions = workload.add_subparsers(dest="action", required=True, metavar="ACTION")

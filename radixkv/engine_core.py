@@ -218,7 +218,10 @@ class EngineCore:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        return Request(request_id, list(ids), params, [seq], session_id=session_id, cache_salt=cache_salt)
+        request = Request(request_id, list(ids), params, [seq], session_id=session_id, cache_salt=cache_salt)
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        return request
 
     def submit(self, requests: list[Request]) -> list[str]:
         """Queues requests for the next step; returns their ids. Never waits for a step."""
@@ -408,6 +411,7 @@ class EngineCore:
             deltas.append(StreamDelta(None, "", seq.finish_reason))
         if start == 0 and deltas:  # the prefix match is known from admission on
             deltas[0].num_cached_tokens = request.num_cached_tokens or 0
+            deltas[0].prompt_logprobs = request.prompt_logprobs
         return deltas
 
     def decode(self, ids: list[int]) -> str:
@@ -533,6 +537,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens or 0,
             ttft_s=first - request.arrival_time,
             e2e_s=request.finish_time - request.arrival_time,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def _beam_output(self, request: Request) -> list[Beam]:
@@ -569,9 +574,10 @@ class EngineCore:
         against the tokenizer."""
         if isinstance(params, BeamSearchParams):
             return
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids must be token ids in [0, {self.vocab_size}), got {bad}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size}), got {bad}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
 

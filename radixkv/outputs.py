@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # of the token, 1 the most likely (prompt logprobs only)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,8 @@ class RequestOutput:
     num_cached_tokens: int
     ttft_s: float
     e2e_s: float
+    # With `SamplingParams.prompt_logprobs`: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -81,3 +84,4 @@ class StreamDelta:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = field(default=None)  # this token's record, when asked for
     num_cached_tokens: int | None = None  # on a request's first delta: prompt tokens the prefix cache served
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for

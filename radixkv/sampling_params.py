@@ -62,6 +62,17 @@ class SamplingParams:
     strings end a sample (finish_reason "stop") whose text then ends before the stop string,
     even when the string spans several tokens. `logprobs` k (0 to 20) returns each generated
     token's log-probability and the k most likely alternatives; None returns none.
+    `prompt_logprobs` k (0 to 20) does the same for every prompt token but the first (which has
+    no context): those positions are computed even when the prefix cache holds them.
+
+    Logits processors, applied in this order before temperature (`radixkv.model.logits_processors`):
+    `min_tokens` forbids EOS and `stop_token_ids` until that many tokens are generated;
+    `logit_bias` (token id -> -100 to 100) is added; `repetition_penalty` (> 0, 1 off) divides
+    a positive logit and multiplies a negative one of every token in the prompt or output, as
+    transformers does; `presence_penalty` and `frequency_penalty` (-2 to 2, OpenAI's) subtract
+    `presence * (count > 0) + frequency * count` over the output's tokens. `min_p` (0 to 1, 0 off)
+    drops, after top-k and top-p, tokens less likely than `min_p` times the most likely one.
+    Logprobs stay those of the unprocessed distribution.
     """
 
     max_tokens: int = 16
@@ -74,6 +85,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # Whether a logits processor is on (set by `validate`): read once per row per step.
+    processes_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,12 +129,39 @@ class SamplingParams:
             raise ValueError(
                 f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}"
             )
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}"
+            )
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100 for t, v in bias.items())
         ):
             raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+                f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}"
             )
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        self.processes_logits = bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

@@ -106,6 +106,8 @@ class Request:
     cache_salt: str | None = None  # its cache namespace: shares blocks only with the same salt
     error: BaseException | None = None  # why the request failed (a RequestError), if it did
     store_lookup: StoreLookup | None = None  # its prompt's way through the KV store, when there is one
+    # With `prompt_logprobs`: the records of prompt tokens 0.. so far (token 0's is None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     is_beam_search: bool = field(init=False)  # its params are BeamSearchParams (read once a step)
 
     def __post_init__(self) -> None:
@@ -126,6 +128,15 @@ class Request:
         """Moves `seq` (already out of `seqs`, its table released) to the finished ones."""
         seq.finish_reason = reason
         self.finished_seqs.append(seq)
+
+    @property
+    def max_cached_prompt(self) -> int | None:
+        """How many prompt tokens a prefix match may serve, None for no limit: a prompt token
+        whose logprob is still wanted needs the logits of the position before it computed."""
+        records = self.prompt_logprobs
+        if records is None or len(records) >= len(self.prompt_ids):
+            return None
+        return len(records) - 1
 
     @property
     def prompt_done(self) -> bool:

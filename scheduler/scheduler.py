@@ -70,6 +70,8 @@ class ScheduledSeq(SequenceChunk):
         self.request, self.seq = request, seq
         self.token_ids, self.start_pos, self.block_table = seq.tokens[start:end], start, seq.table.blocks
         self.logits = "last" if end == len(seq.tokens) else "none"
+        if request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+            self.logits = "all"  # the prompt's logprobs: one row per token, the last maybe sampled
 
 
 class Scheduler:
@@ -183,7 +185,8 @@ class Scheduler:
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
                 seq.table = self.kv.admit(
-                    seq.tokens, request.request_id, request.session_id, stored, request.cache_salt
+                    seq.tokens, request.request_id, request.session_id, stored, request.cache_salt,
+                    request.max_cached_prompt,
                 )
                 stored = None  # the first sequence's blocks are in the tree: the others match them
             cached = request.seqs[0].table.num_tokens
@@ -277,13 +280,21 @@ class Scheduler:
         seqs: list[Sequence] = []
         rows: list[int] = []
         beam_rows: dict[str, Request] = {}
-        forked = False
+        forked = False  # the sampled rows are not the logits in order
         row = 0
         for item in batch:
             seq, request = item.seq, item.request
             if seq.table.num_tokens <= seq.num_prompt_tokens:
                 self.kv.cache_running(seq.table, seq.tokens)
-            if item.logits != "last":
+            if item.logits == "all":
+                num_rows = len(item.token_ids)
+                _record_prompt_logprobs(request, item.start_pos, logits[row : row + num_rows])
+                forked = True
+                row += num_rows - 1  # the last row: sampled if the chunk ends the prompt
+                if item.start_pos + num_rows < len(seq.tokens):
+                    row += 1
+                    continue
+            elif item.logits != "last":
                 continue
             if request.is_beam_search:
                 seq.logprobs = compute_logprobs(logits[row])
@@ -333,8 +344,8 @@ class Scheduler:
                 request.finish_time = now
         return StepOutcome(list(touched.values()), list(failed.values()))
 
-    @staticmethod
     def _sample(
+        self,
         logits: torch.Tensor,
         requests: list[Request],
         seqs: list[Sequence],
@@ -347,7 +358,7 @@ class Scheduler:
         params = [request.params for request in requests]
         generators = [seq.generator for seq in seqs]
         try:
-            tokens = sample(logits, params, generators)
+            tokens = sample(logits, params, generators, seqs, self.eos)
             return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
         except Exception:  # find the request at fault below
             pass
@@ -359,7 +370,8 @@ class Scheduler:
         for request_id, rows in by_request.items():
             try:
                 own = logits[rows]
-                tokens = sample(own, [params[i] for i in rows], [generators[i] for i in rows])
+                own_params, own_seqs = [params[i] for i in rows], [seqs[i] for i in rows]
+                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos)
                 records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
             except Exception as error:
                 failed[request_id] = (requests[rows[0]], error)
@@ -430,3 +442,23 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
+
+
+def _record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor) -> None:
+    """Appends the records of the prompt tokens that `rows` (the logits of positions `start`
+    on) predict and that are not recorded yet: row r gives prompt token `start + r + 1`. A
+    chunk recomputed after a preemption records nothing twice."""
+    records = request.prompt_logprobs
+    prompt = request.prompt_ids
+    first = max(start, len(records) - 1)
+    end = min(start + rows.shape[0], len(prompt) - 1)
+    if first >= end:
+        return
+    targets = torch.tensor(prompt[first + 1 : end + 1], device=rows.device)
+    k = request.params.prompt_logprobs
+    rows = rows[first - start : end - start]
+    new = token_logprobs(rows, targets, [k] * (end - first))
+    chosen = rows.gather(1, targets.unsqueeze(1))
+    for record, rank in zip(new, ((rows > chosen).sum(dim=1) + 1).tolist(), strict=True):
+        record.rank = rank
+    records += new

@@ -111,6 +111,7 @@ def test_the_wrong_params_class_is_a_type_error_naming_it(engine):
     ("params", "field"),
     [
         (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
         (SamplingParams(n=9), "max_num_seqs"),
         (BeamSearchParams(beam_width=9), "max_num_seqs"),
     ],

@@ -149,21 +149,24 @@ class KVCacheManager:
         session: str | None = None,
         stored: StoredRun | None = None,
         salt: str | None = None,
+        max_match: int | None = None,
     ) -> BlockTable:
         """A table for a new sequence, holding the longest cached prefix of `tokens` but the
-        last token, which is always computed so that its logits exist. A `session` is live
-        from its first admission until `close_session`. `stored`: blocks of `tokens` fetched
-        from the KV store (keyed as the cache keys them, salted); those that continue the tree's
-        match join the tree (`load_stored`). `salt` (a request's `cache_salt`) limits what it
-        matches and caches to its namespace."""
+        last token, which is always computed so that its logits exist, and at most `max_match`
+        tokens (positions whose logits are wanted are computed). A `session` is live from its
+        first admission until `close_session`. `stored`: blocks of `tokens` fetched from the KV
+        store (keyed as the cache keys them, salted); those that continue the tree's match join
+        the tree (`load_stored`). `salt` (a request's `cache_salt`) limits what it matches and
+        caches to its namespace."""
         offset = salt_offset(salt)
         if self.cache is None:
             return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
         if session is not None:
             self.cache.set_session_live(session, True)
-        if len(tokens) < 2:
+        limit = len(tokens) - 1 if max_match is None else min(len(tokens) - 1, max_match)
+        if limit < 1:
             return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
-        keys = salted(tokens[:-1], offset)
+        keys = salted(tokens[:limit], offset)
         match = self.cache.match_prefix(keys, session)
         fetched = 0
         if stored is not None and stored.blocks:

@@ -9,10 +9,11 @@ Unseeded rows share one draw from torch's global generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
+from radixkv.model.logits_processors import History, apply_min_p, process_logits
 from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
@@ -82,18 +83,23 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[History] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> torch.Tensor:
     """One next token per row of `logits [B, V]` (int64 `[B]`): row i follows `params[i]`.
 
     `generators[i]` is the seeded request's generator (`make_generator`) or None. Greedy rows
     (temperature below `GREEDY_BELOW_TEMPERATURE`) take the argmax and consume no randomness.
-    A `top_k` above the vocabulary keeps all of it.
+    A `top_k` above the vocabulary keeps all of it. `histories[i]` (row i's tokens) feed its
+    logits processors (`radixkv.model.logits_processors`); without them none runs.
     """
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(
             f"sample got {logits.shape[0]} logit rows, {len(params)} params and {len(generators)} generators"
         )
     logits = logits.float()
+    if histories is not None:
+        logits = process_logits(logits, params, histories, eos_token_ids)
     tokens = greedy(logits)
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW_TEMPERATURE]  # `not p.greedy`
     if not rows:
@@ -107,6 +113,8 @@ def sample(
         top_k = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in chosen], device=device)
         top_p = torch.tensor([p.top_p for p in chosen], device=device)
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    if any(p.min_p > 0 for p in chosen):
+        scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in chosen], device=device))
     probs = scaled.softmax(dim=-1)
     race = torch.empty_like(probs)
     unseeded = [j for j, i in enumerate(rows) if generators[i] is None]

@@ -15,6 +15,9 @@ before any of it is read, or as soon as a chunked upload passes the limit; a cli
 mid-upload is one INFO line. Every response carries `x-request-id`, and an unexpected error is
 logged under it and answered without its text (`radixkv.server.request_ids`). `/health` answers
 503 once the engine's loop has died, so that a supervisor restarts the server.
+
+Also served: `GET /v1/models/{id}`, `GET /version`, the tokenizer routes
+(`radixkv.server.tokenizer_routes`), and FastAPI's `/openapi.json` and `/docs`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+import radixkv
 from radixkv.server import handlers
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
@@ -41,6 +45,7 @@ from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.request_ids import RequestIds, request_id
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
 from radixkv.server.state import CACHE_ISOLATION, ServerState, api_keys, prompt_char_limit
+from radixkv.server.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("radixkv.server")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -93,7 +98,7 @@ def build_app(
                     await expiry
             await engine.shutdown()
 
-    app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixkv", version=radixkv.__version__, lifespan=lifespan, redoc_url=None)
     app.state.radixkv = state
     app.add_middleware(RequestIds)
 
@@ -127,14 +132,28 @@ def build_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state.authorize(request.headers.get("authorization"))
-        card = {
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": state.created,
             "owned_by": "radixkv",
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # an id may hold "/"
+    async def model(request: Request, model_id: str) -> dict:
+        state.authorize(request.headers.get("authorization"))
+        state.check_model(model_id)
+        return model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": radixkv.__version__}
+
+    add_tokenizer_routes(app, state, parse)
 
     @app.delete("/v1/sessions/{session_id:path}")  # an id may hold "/"
     async def close_session(request: Request, session_id: str) -> dict:

@@ -65,7 +65,12 @@ async def run_sampling(
     choices, usage = [], Usage()
     for j, out in enumerate(outs):
         for i, s in enumerate(out.samples):
-            choices.append(Choice(j * params.n + i, s.text, s.finish_reason, s.logprobs, s.token_ids))
+            choices.append(
+                Choice(
+                    j * params.n + i, s.text, s.finish_reason, s.logprobs, s.token_ids,
+                    out.prompt_token_ids, out.prompt_logprobs,
+                )
+            )
             usage.completion_tokens += len(s.token_ids)
         usage.prompt_tokens += len(out.prompt_token_ids)
         usage.cached_tokens += out.num_cached_tokens
@@ -86,7 +91,7 @@ async def run_beam_search(
     for j, (prompt, beams) in enumerate(zip(prompts, results, strict=True)):
         for i, beam in enumerate(beams):
             choices.append(
-                Choice(j * params.beam_width + i, beam.text, beam.finish_reason, None, beam.token_ids)
+                Choice(j * params.beam_width + i, beam.text, beam.finish_reason, None, beam.token_ids, prompt)
             )
             usage.completion_tokens += len(beam.token_ids)
         usage.prompt_tokens += len(prompt)

@@ -65,7 +65,11 @@ async def create(
         prompts = await asyncio.to_thread(lambda: [_prompt_ids(engine, p) for p in body.prompts])
         default = COMPLETIONS_MAX_TOKENS
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    fmt = Formatter(request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids)
+    echo = not chat and body.echo
+    fmt = Formatter(
+        request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids,
+        echo=echo, echo_top=body.logprobs if echo else None, prompt_top=body.prompt_logprobs,
+    )
     tokens = max_tokens(body, default)
     try:
         if body.stream:
@@ -91,7 +95,10 @@ async def create(
     count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
     state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
     if body.stream:
-        events = _events(state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags)
+        events = _events(
+            state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
+            continuous=body.continuous_usage,
+        )
 
         async def end_stream() -> None:
             state.release(count, body.session_id)
@@ -176,10 +183,12 @@ async def _events(
     chat: bool,
     rid: str,
     tags: Tags,
+    *,
+    continuous: bool = False,
 ) -> AsyncIterator[str]:
-    """The SSE body: a chunk per piece of text (or per token, with logprobs), then the usage
-    chunk if asked for, then `[DONE]`. An engine failure mid-stream is sent as an error event,
-    then `[DONE]`, as vLLM ends it."""
+    """The SSE body: a chunk per piece of text (or per token, with logprobs), each with the
+    usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. An engine
+    failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
     opened: set[int] = set()
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -192,7 +201,10 @@ async def _events(
             if not delta.text and delta.finish_reason is None and delta.logprobs is None:
                 continue  # held back (part of a character, or maybe a stop string)
             choice = Choice(index, delta.text, delta.finish_reason, delta.logprobs)
-            yield _sse(fmt.chunk(choice, first=chat and index not in opened))
+            chunk = fmt.chunk(choice, first=chat and index not in opened)
+            if continuous:
+                chunk["usage"] = streams.usage.as_dict()
+            yield _sse(chunk)
             opened.add(index)
         if include_usage:
             yield _sse(fmt.usage_chunk(streams.usage))

@@ -45,6 +45,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class _Common(BaseModel):
@@ -63,10 +64,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their defaults only (see `unsupported`).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as OpenAI spells them
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     # Extras.
     top_k: Int64 = -1
     ignore_eos: bool = False
@@ -77,16 +80,14 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # see server.sessions
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # a cache namespace
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (whole responses)
 
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            name = "presence_penalty" if self.presence_penalty != 0 else "frequency_penalty"
-            raise APIError.bad_request(name, f"{name} is not supported; leave it at 0")
-        if self.logit_bias:
-            raise APIError.bad_request("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options", "stream_options needs stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError.bad_request("prompt_logprobs", "prompt_logprobs needs stream: false")
         if self.use_beam_search and self.stream:
             raise APIError.bad_request(
                 "stream", "beam search returns finished beams only: set stream to false"
@@ -99,6 +100,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):
@@ -113,8 +118,8 @@ class CompletionRequest(_Common):
     best_of: Int64 | None = None
 
     def check_supported(self) -> None:
-        if self.echo:
-            raise APIError.bad_request("echo", "echo is not supported")
+        if self.echo and self.stream:
+            raise APIError.bad_request("echo", "echo needs stream: false")
         if self.suffix:
             raise APIError.bad_request("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -159,9 +164,12 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def check_supported(self) -> None:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError.bad_request("tool_choice", "tool_choice needs tools")
         if self.tools:
             raise APIError.bad_request("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":

@@ -148,9 +148,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
     """A run as the report's `RUN` object (docs/reference.md)."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
-    cached = sum(r.cached_tokens for r in recs)
-    output = sum(r.output_tokens for r in recs)
     m = result.metrics
+    cached = m.get("cached_tokens", sum(r.cached_tokens for r in recs))  # a server's counter, if used
+    output = sum(r.output_tokens for r in recs)
     return {
         "requests": len(recs),
         "prompt_tokens": prompt,
@@ -243,6 +243,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: completions for token-id workloads, chat for text ones",
     )
+    remote.add_argument(
+        "--extras",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="send radixkv's extra fields (ignore_eos, session_id, return_tokens_as_token_ids): "
+        "auto probes the server once",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,7 +301,7 @@ def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
     if args.compare:
         raise ValueError("--compare replays in process; against --url, run a server without its cache")
     tokenizer = workload_tokenizer(workload, args.model)
-    server = Server(args.url, args.api_key, args.endpoint)
+    server = Server(args.url, args.api_key, args.endpoint, extras=args.extras)
     progress = sys.stderr.isatty() and not args.json
     runs = {"prefix_cache": replay_url(workload, server, tokenizer, args.speed, progress)}
     report = {

@@ -20,6 +20,16 @@ with the `session` eviction policy tells the conversations apart, and the sessio
 `DELETE /v1/sessions/{id}` after its last turn, as the in-process replay closes it. A 404 or 405
 there (a server without the route, or a session already closed by its idle timeout) is no error.
 
+Other servers. radixkv's extras (`ignore_eos`, `session_id`, `return_tokens_as_token_ids` with
+`logprobs` 0) are sent only to a server that takes them: with `extras="auto"` (the default) one
+short request with them probes the server first, and a 400 or 422 there (a strict server such as
+`transformers serve`) turns them off for the run ("on" and "off" skip the probe). Without them a
+reply may end at EOS, and a token-id conversation reads its replies' ids by tokenizing their text
+(`--model`'s tokenizer). Where `usage` carries no `cached_tokens` (vLLM without
+`--enable-prompt-tokens-details`), the run's cached tokens are the change over the run of the
+server's prefix-cache hit counter in `/metrics` (`CACHED_TOKEN_COUNTERS`), reported as the run's
+total (`RunResult.metrics["cached_tokens"]`), since concurrent turns cannot be told apart there.
+
 A 503 is retried after its `Retry-After`, and the wait counts in the turn's TTFT, as a user would
 see it. Counters that only the server knows (preemptions, evictions, copy-on-write copies) come
 from its `/metrics` when it exposes radixkv's names, as the change over the run; KV usage is not
@@ -48,6 +58,8 @@ SERVER_COUNTERS = {
     "host_cache_hits": "radixkv_host_cache_hits",
     "store_cache_hits": "radixkv_store_cache_hits",
 }
+CACHED_TOKEN_COUNTERS = ("vllm:prefix_cache_hits", "radixkv_prefix_cache_hits")  # first found wins
+EXTRAS = ("auto", "on", "off")
 MAX_RETRIES_503 = 100
 
 
@@ -60,6 +72,7 @@ class Server:
     endpoint: str | None = None  # "chat" or "completions"; None picks by workload
     model: str | None = None  # the model name to ask for; None asks /v1/models
     timeout_s: float = 600.0
+    extras: str = "auto"  # radixkv's extra fields: "auto" probes the server, "on", "off"
     base_path: str = field(init=False, default="")  # the URL's path, less a trailing /v1
 
     def __post_init__(self) -> None:
@@ -69,6 +82,29 @@ class Server:
         if self.endpoint not in (None, "chat", "completions"):
             raise ValueError(f"--endpoint must be chat or completions, got {self.endpoint!r}")
         self.base_path = parts.path.rstrip("/").removesuffix("/v1")
+        if self.extras not in EXTRAS:
+            raise ValueError(f"--extras must be one of {', '.join(EXTRAS)}, got {self.extras!r}")
+
+    def accepts_extras(self, path: str, model: str) -> bool:
+        """Whether radixkv's extras are to be sent (see the module): "auto" asks `path` once
+        with them, and once without if that is refused (400, 422); raises if both fail."""
+        if self.extras != "auto":
+            return self.extras == "on"
+        body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0.0}
+        if path.endswith("/chat/completions"):
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        else:
+            body["prompt"] = "hi"
+        extras = {"ignore_eos": True, "session_id": "radixkv-probe", "return_tokens_as_token_ids": True}
+        status, answer = self._call("POST", path, {**body, **extras})
+        if status == 200:
+            self._call("DELETE", "/v1/sessions/" + extras["session_id"])  # whatever the answer
+            return True
+        if status in (400, 422):
+            status, answer = self._call("POST", path, body)
+            if status == 200:
+                return False
+        raise ValueError(f"POST {path} answered {status}: {answer[:500]!r}")
 
     def connect(self) -> http.client.HTTPConnection:
         parts = urllib.parse.urlsplit(self.url)
@@ -95,10 +131,11 @@ class Server:
             raise ValueError(f"DELETE {path} answered {status}: {body[:500]!r}")
         return True
 
-    def _call(self, method: str, path: str) -> tuple[int, bytes]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         conn = self.connect()
         try:
-            conn.request(method, self.base_path + path, headers=self.headers())
+            payload = None if body is None else json.dumps(body).encode()
+            conn.request(method, self.base_path + path, body=payload, headers=self.headers())
             response = conn.getresponse()
             return response.status, response.read()
         finally:
@@ -119,11 +156,16 @@ class Server:
         status, body = self.get("/metrics")
         if status != 200:
             return {}
-        values = {}
+        values: dict[str, float] = {}
         for family in text_string_to_metric_families(body.decode()):
-            for sample in family.samples:
-                values[sample.name.removesuffix("_total")] = sample.value
-        return {key: values[name] for key, name in SERVER_COUNTERS.items() if name in values}
+            for sample in family.samples:  # summed over labels (vLLM labels by model name)
+                name = sample.name.removesuffix("_total")
+                values[name] = values.get(name, 0.0) + sample.value
+        found = {key: values[name] for key, name in SERVER_COUNTERS.items() if name in values}
+        hits = next((values[name] for name in CACHED_TOKEN_COUNTERS if name in values), None)
+        if hits is not None:
+            found["cached_tokens"] = hits
+        return found
 
 
 @dataclass(slots=True)
@@ -133,7 +175,7 @@ class Reply:
     text: str
     token_ids: list[int] | None  # None when the server did not spell its tokens as ids
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None when `usage` did not say
     output_tokens: int
 
 
@@ -149,9 +191,12 @@ def replay_url(
     if endpoint == "chat" and uses_ids:
         raise ValueError("--endpoint chat takes text sessions; this workload has token ids: use completions")
     model = server.served_model()
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    extras = server.accepts_extras(path, model)
     before = server.counters()
     records: list[TurnRecord] = []
     failed: list[str] = []  # a turn the server failed: its session stops there
+    said: list[bool] = []  # a True per reply whose `usage` carried cached_tokens
     lock = threading.Lock()
     bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
     start = time.perf_counter()
@@ -172,14 +217,16 @@ def replay_url(
                 "model": model,
                 "max_tokens": turn.max_tokens,
                 "temperature": 0.0,
-                "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
-                "session_id": session.name,
             }
+            if extras:
+                body.update(ignore_eos=True, session_id=session.name)
             try:
                 if conv is not None:
-                    body.update(prompt=conv.prompt(turn.user), logprobs=0, return_tokens_as_token_ids=True)
+                    body["prompt"] = conv.prompt(turn.user)
+                    if extras:
+                        body.update(logprobs=0, return_tokens_as_token_ids=True)
                     reply = _send(server, "/v1/completions", body)
                 else:
                     body["messages"] = [*history, {"role": "user", "content": turn.user}]
@@ -191,15 +238,15 @@ def replay_url(
                         bar.update(len(session.turns) - k)
                 return
             if conv is not None:
-                if reply.token_ids is None:
-                    raise ValueError("the server did not return token ids (return_tokens_as_token_ids)")
-                conv.add_reply(reply.token_ids, reply.text)
+                conv.add_reply(_reply_ids(reply, extras, tokenizer), reply.text)
             else:
                 history += [
                     {"role": "user", "content": turn.user},
                     {"role": "assistant", "content": reply.text},
                 ]
             with lock:
+                if reply.cached_tokens is not None:
+                    said.append(True)
                 records.append(
                     TurnRecord(
                         session.name,
@@ -208,7 +255,7 @@ def replay_url(
                         reply.first_token_s - start,
                         reply.finish_s - start,
                         reply.prompt_tokens,
-                        reply.cached_tokens,
+                        reply.cached_tokens or 0,
                         reply.output_tokens,
                     )
                 )
@@ -227,7 +274,22 @@ def replay_url(
         bar.close()
     after = server.counters()
     metrics = {key: int(after.get(key, 0) - before.get(key, 0)) for key in SERVER_COUNTERS}
+    if not said and "cached_tokens" in after:  # `usage` never said: the server's counter does
+        metrics["cached_tokens"] = int(after["cached_tokens"] - before.get("cached_tokens", 0))
     return RunResult(records, wall, metrics, 0.0, 0.0, failed)
+
+
+def _reply_ids(reply: Reply, extras: bool, tokenizer: Any) -> list[int]:
+    """A completions reply's token ids: as the server spelled them, or its text tokenized."""
+    if reply.token_ids is not None:
+        return reply.token_ids
+    if extras:
+        raise ValueError("the server did not return token ids (return_tokens_as_token_ids)")
+    if tokenizer is None:
+        raise ValueError(
+            "this server takes no return_tokens_as_token_ids: pass --model (a tokenizer) to read replies"
+        )
+    return tokenizer.encode(reply.text, add_special_tokens=False)
 
 
 def _send(server: Server, path: str, body: dict[str, Any]) -> Reply:
@@ -290,6 +352,6 @@ def _read_stream(events: Iterator[dict[str, Any]]) -> Reply:
         text="".join(pieces),
         token_ids=ids if spelled else None,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        cached_tokens=None if details.get("cached_tokens") is None else int(details["cached_tokens"]),
         output_tokens=int(usage.get("completion_tokens", 0)),
     )

@@ -1,0 +1,91 @@
+"""The tokenizer endpoints, as vLLM spells them, for clients that count or build tokens themselves
+(lm-eval, guidellm).
+
+`POST /tokenize` takes `{"model", "prompt"}` (text, tokenized as the completions endpoint does,
+without added special tokens) or `{"model", "messages"}` (through the chat template with the
+generation prompt, as the chat endpoint builds its prompt) and answers `{"tokens", "count",
+"max_model_len"}`. `POST /detokenize` takes `{"model", "tokens"}` and answers `{"prompt"}`.
+`GET /tokenizer_info` describes the tokenizer: class, special tokens, chat template, vocabulary
+size, `max_model_len`. Like the `/v1` routes they need the API key when one is set, and a model
+without a tokenizer answers them with a 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixkv.server.chat_prompt import chat_prompt_ids
+from radixkv.server.errors import APIError
+from radixkv.server.protocol import ChatMessage
+from radixkv.server.state import ServerState
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def add_tokenizer_routes(
+    app: FastAPI, state: ServerState, parse: Callable[[Request, type[BaseModel]], Awaitable[Any]]
+) -> None:
+    """Adds the three routes to `app`; `parse` reads a body as a model (a 400 naming the field)."""
+    engine = state.engine
+
+    def tokenizer(request: Request) -> Any:
+        state.authorize(request.headers.get("authorization"))
+        if engine.tokenizer is None:
+            raise APIError.bad_request("model", "this model has no tokenizer")
+        return engine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        tok = tokenizer(request)
+        body = await parse(request, TokenizeRequest)
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError.bad_request("prompt", "give either prompt or messages")
+        if body.messages is not None:
+            ids = chat_prompt_ids(tok, body.messages, state.replies)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        tok = tokenizer(request)
+        body = await parse(request, DetokenizeRequest)
+        state.check_model(body.model)
+        vocab = engine.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError.bad_request("tokens", f"tokens must be token ids in [0, {vocab}), got {bad}")
+        return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict:
+        tok = tokenizer(request)
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "vocab_size": engine.vocab_size,
+            "max_model_len": engine.max_model_len,
+            "model_max_length": engine.max_model_len,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+        }
