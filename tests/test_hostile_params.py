@@ -132,10 +132,10 @@ def alone(model_folders) -> list[list[int]]:
 def test_a_request_whose_sampling_raises_fails_alone_and_its_step_goes_on(model_folders, alone, monkeypatch):
     real = scheduler_module.sample
 
-    def poisoned(logits, params, generators):
+    def poisoned(logits, params, generators, *rest):
         if any(p.seed == POISON_SEED for p in params):
             raise Fault("this request's parameters broke the sampler")
-        return real(logits, params, generators)
+        return real(logits, params, generators, *rest)
 
     monkeypatch.setattr(scheduler_module, "sample", poisoned)
     engine = Engine.from_pretrained(model_folders["llama"], **KW)

@@ -120,6 +120,6 @@ def test_replay_sends_no_extras_to_a_strict_server_and_reads_hits_from_its_metri
 def test_extras_on_skips_the_probe_and_a_strict_server_refuses(strict):
     url = f"http://127.0.0.1:{strict.server_address[1]}/v1"
     workload = Workload([Session("a", [Turn("hello", 2)])])
-    with pytest.raises(ValueError, match="422"):
-        replay_url(workload, Server(url, endpoint="chat", extras="on"), build_byte_tokenizer())
-    assert strict.bodies == []
+    result = replay_url(workload, Server(url, endpoint="chat", extras="on"), build_byte_tokenizer())
+    assert len(result.failed) == 1 and "422" in result.failed[0]  # reported, and the replay ends
+    assert strict.bodies == [] and result.records == []
