@@ -209,11 +209,14 @@ class ParallelRunner:
     # ---------------------------------------------------------------- internals
 
     def _transfer(self, kind: TransferKind, src: list[int], dst: list[int]) -> None:
-        """Runs a transfer here and queues it for the workers. A lost or closed group does not
-        refuse it (rank 0's cache is still there): the step's forward raises instead, so the core
-        fails the step the usual way rather than in the middle of its transfers."""
+        """Runs a transfer here and queues it for the workers. A lost or closed group skips it
+        without refusing (a closed one has freed rank 0's cache): the step's forward raises
+        TensorParallelError instead, so the core fails the step the usual way rather than in the
+        middle of its transfers."""
         if self.local is None:
             raise RuntimeError("ParallelRunner.allocate must run before the first step")
+        if self._dead is not None:
+            return
         getattr(self.local, kind)(src, dst)
         self._transfers.append((kind, list(src), list(dst)))
 
