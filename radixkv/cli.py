@@ -16,6 +16,10 @@ parsing the command line does not load torch."""
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from radixkv.tools import simulate_replicas
+
+        return simulate_replicas.run(args)
     from radixkv.tools import simulate
 
     return simulate.run(args)

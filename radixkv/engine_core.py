@@ -49,10 +49,10 @@ from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
-from radixkv.model.sampler import make_generator
 from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
+from radixkv.sampling.sampler import make_generator
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler

@@ -65,7 +65,7 @@ class SamplingParams:
     `prompt_logprobs` k (0 to 20) does the same for every prompt token but the first (which has
     no context): those positions are computed even when the prefix cache holds them.
 
-    Logits processors, applied in this order before temperature (`radixkv.model.logits_processors`):
+    Logits processors, applied in this order before temperature (`radixkv.sampling.logits_processors`):
     `min_tokens` forbids EOS and `stop_token_ids` until that many tokens are generated;
     `logit_bias` (token id -> -100 to 100) is added; `repetition_penalty` (> 0, 1 off) divides
     a positive logit and multiplies a negative one of every token in the prompt or output, as

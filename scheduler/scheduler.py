@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 from radixkv.scheduler.beam_search import BeamSearch
+from radixkv.scheduler.chunk import SequenceChunk
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.waiting_queue import WaitingQueue
 
@@ -38,9 +39,8 @@ from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.kvstore.store import KVStore, StoredRun
-from radixkv.model.runner import SequenceChunk
-from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.sampling_params import sample_seed
 
 

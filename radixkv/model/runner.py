@@ -9,9 +9,6 @@ logits go through `lm_head`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from radixkv import kernels
@@ -23,22 +20,7 @@ from radixkv.model.layered_load import LayeredLoad, send
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 from radixkv.model.stored_kv import block_payloads, gather_blocks, stage_payloads
-
-
-@dataclass(slots=True)
-class SequenceChunk:
-    """One sequence's work in one step.
-
-    `token_ids` are the new tokens whose KV is computed now, starting at position `start_pos`
-    (= tokens already in this sequence's KV cache). `block_table` lists physical blocks covering
-    positions `[0, start_pos + len(token_ids))`. `logits` picks the rows returned: the last new
-    token (`"last"`), every new token (`"all"`) or none (`"none"`, a prefill chunk mid-prompt).
-    """
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    logits: Literal["last", "all", "none"] = "last"
+from radixkv.scheduler.chunk import SequenceChunk
 
 
 def kv_block_bytes(

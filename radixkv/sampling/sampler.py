@@ -13,8 +13,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from radixkv.model.logits_processors import History, apply_min_p, process_logits
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling.logits_processors import History, apply_min_p, process_logits
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 
@@ -91,7 +91,7 @@ def sample(
     `generators[i]` is the seeded request's generator (`make_generator`) or None. Greedy rows
     (temperature below `GREEDY_BELOW_TEMPERATURE`) take the argmax and consume no randomness.
     A `top_k` above the vocabulary keeps all of it. `histories[i]` (row i's tokens) feed its
-    logits processors (`radixkv.model.logits_processors`); without them none runs.
+    logits processors (`radixkv.sampling.logits_processors`); without them none runs.
     """
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(
