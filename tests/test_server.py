@@ -551,7 +551,7 @@ def test_overload_is_a_503_and_loses_nothing_accepted(model_folders, engine):
 
     async def burst() -> list[httpx.Response]:
         config = EngineConfig(model=str(model_folders["llama"]), block_size=BLOCK, kv_cache_memory=KV)
-        served = AsyncEngine(config)
+        served = AsyncEngine(config, engine_process=False)  # holds the step lock below
         app = build_app(served, "tiny", max_waiting=2, session_idle_timeout_s=0)
         body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as http:
