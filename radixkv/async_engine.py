@@ -37,7 +37,7 @@ from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
 from radixkv.engine_core import EngineCore, Prompt
 from radixkv.engine_process.core_client import CoreClient
-from radixkv.engine_process.core_process import IDLE_STEPS_BEFORE_STALL
+from radixkv.engine_process.core_process import step_watching_stalls
 from radixkv.errors import EngineDeadError, RequestError
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
@@ -279,12 +279,7 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()  # before looking for work: a submission after this wakes us
                 while core.has_work():
-                    before = core.num_steps
-                    core.step()
-                    idle = idle + 1 if core.num_steps == before and core.scheduler.has_work() else 0
-                    if idle >= IDLE_STEPS_BEFORE_STALL:
-                        core.fail_waiting(RuntimeError("the engine cannot schedule these requests"))
-                        idle = 0
+                    idle = step_watching_stalls(core, idle)
                 if self._stopping:
                     return
         except BaseException as exc:  # a bug outside a step's containment: fail every caller

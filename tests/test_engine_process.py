@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 from core_faults import POISON
-from test_server import free_port
+from test_server import serve
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
 from radixkv.engine_process.messages import RequestUpdate, SeqUpdate, StepOutput, pack_ids, unpack_ids
@@ -31,6 +30,7 @@ KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 TESTS = str(Path(__file__).parent)
+SERVE = ("--graceful-timeout", "2")
 
 
 def children(pid: int) -> list[int]:
@@ -219,33 +219,8 @@ def test_a_killed_core_fails_every_open_request_at_once(model_folders):
 # ------------------------------------------------------------------------ radixkv serve
 
 
-@contextlib.contextmanager
-def server(folder: Path, log: Path):
-    """A `radixkv serve` process (its core in its own process) on a free port, once healthy."""
-    port = free_port()
-    argv = ["radixkv", "serve", "--model", str(folder), "--port", str(port), "--block-size", "4",
-            "--kv-cache-memory", "8MiB", "--graceful-timeout", "2"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits(model_folders, tmp_path):
-    with server(model_folders["llama"], tmp_path / "serve.log") as (url, proc):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
         (core,) = children(proc.pid)
 
         async def main() -> tuple[list[list[str]], float]:
@@ -281,7 +256,7 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
 
 
 def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
-    with server(model_folders["llama"], tmp_path / "serve.log") as (url, proc):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
         (core,) = children(proc.pid)
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200
@@ -291,7 +266,7 @@ def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
 
 
 def test_a_core_whose_server_is_killed_exits_by_itself(model_folders, tmp_path):
-    with server(model_folders["llama"], tmp_path / "serve.log") as (_, proc):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (_, proc):
         (core,) = children(proc.pid)
         proc.kill()
         proc.wait(timeout=10)

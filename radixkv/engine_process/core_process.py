@@ -53,6 +53,19 @@ IDLE_STEPS_BEFORE_STALL = 3  # steps in a row that run nothing while requests wa
 CONTROL_METHODS = ("metrics", "metrics_text", "check_invariants")
 
 
+def step_watching_stalls(core: Any, idle: int) -> int:
+    """Steps `core` once; returns the steps in a row that ran nothing while requests waited.
+    After `IDLE_STEPS_BEFORE_STALL` of them, the waiting requests can never be scheduled: they
+    fail, rather than the loop spinning."""
+    before = core.num_steps
+    core.step()
+    idle = idle + 1 if core.num_steps == before and core.scheduler.has_work() else 0
+    if idle >= IDLE_STEPS_BEFORE_STALL:
+        core.fail_waiting(RuntimeError("the engine cannot schedule these requests"))
+        idle = 0
+    return idle
+
+
 class _Sent:
     """What the front end has of one request: generated tokens per sequence index."""
 
@@ -137,12 +150,7 @@ class CoreProcess:
             if self.control in events:
                 self._answer_control()
             if core.has_work():
-                before = core.num_steps
-                core.step()
-                idle = idle + 1 if core.num_steps == before and core.scheduler.has_work() else 0
-                if idle >= IDLE_STEPS_BEFORE_STALL:
-                    core.fail_waiting(RuntimeError("the engine cannot schedule these requests"))
-                    idle = 0
+                idle = step_watching_stalls(core, idle)
             self._flush()
 
     # ------------------------------------------------------------------ inbox
