@@ -16,7 +16,10 @@ For each N (`--streams`, default 16, 32, 128, 256) and mode, in a fresh server:
   the first finish); `period_ratio` = period / idle period;
 - `delivered_tok_s`: tokens the clients received per second over the same window, and what an
   unhindered step would deliver (N / idle period);
-- `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile.
+- `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile;
+- `span_tok_s` and `span_period_ms`: the same over the whole streaming span (first token received
+  to last), which exists even when a slow front end delivers the last first token after the
+  first finish (the window above is then empty: `period_ms` None, `delivered_tok_s` 0).
 The clients run in this process, the server in a child: the clients' own work never takes the
 server's lock. Step times come from the child (`time.monotonic`, shared by both processes on
 Linux), written to a file as each step ends, by whichever process steps.
@@ -101,6 +104,7 @@ def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -
     start, end = clients["decode_window"]
     steps = [t for t in all_steps if start <= t <= end]
     period = _median_interval(steps)
+    span_period = _median_interval([t for t in all_steps if clients["span"][0] <= t <= clients["span"][1]])
     return {
         "streams": streams,
         "mode": "core-process" if engine_process else "in-process",
@@ -110,6 +114,8 @@ def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -
         "delivered_tok_s": clients["delivered_tok_s"],
         "unhindered_tok_s": streams / idle if idle else None,
         "health_p99_ms": clients["health_p99_s"] * 1e3,
+        "span_tok_s": clients["span_tok_s"],
+        "span_period_ms": span_period * 1e3 if span_period else None,
         "steps_in_window": len(steps),
     }
 
@@ -122,7 +128,8 @@ def format_case(case: dict[str, Any]) -> str:
         f"{case['streams']:>4} streams, {case['mode']:>12}: step {case['idle_period_ms']:.2f} ms idle, "
         f"{period} streaming; "
         f"{case['delivered_tok_s']:,.0f} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
-        f"/health p99 {case['health_p99_ms']:.1f} ms"
+        f"/health p99 {case['health_p99_ms']:.1f} ms; whole span: "
+        f"{case['span_tok_s']:,.0f} tok/s, step {case['span_period_ms'] or 0:.2f} ms"
     )
 
 
@@ -145,12 +152,15 @@ async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen
     finishes = [r[1] for r in results]
     counts = [r[2] for r in results]
     window = (max(first_tokens), min(finishes))
+    span = (min(first_tokens), max(finishes))
     received = sum(_count_between(r[3], *window) for r in results)
     seconds = window[1] - window[0]
     if sum(counts) != streams * tokens:
         raise RuntimeError(f"the clients received {sum(counts)} tokens, expected {streams * tokens}")
     return {
         "decode_window": window,
+        "span": span,
+        "span_tok_s": sum(counts) / (span[1] - span[0]) if span[1] > span[0] else 0.0,
         "delivered_tok_s": received / seconds if seconds > 0 else 0.0,
         "health_p99_s": _percentile(latencies, 99),
     }
