@@ -137,6 +137,8 @@ async def _engine_errors(work: Awaitable[Finished], body: Any, rid: str) -> Fini
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     except RequestError as e:
+        if isinstance(e.__cause__, EngineDeadError):  # the core died under it
+            raise _engine_dead() from e
         raise _step_failed(e, rid) from e
     except EngineDeadError as e:
         raise _engine_dead() from e
@@ -213,7 +215,8 @@ async def _events(
             for index, pieces in texts.items():
                 state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
-        yield _sse(_step_failed(e, rid).body())
+        dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
+        yield _sse((_engine_dead() if dead else _step_failed(e, rid)).body())
         yield "data: [DONE]\n\n"
     except EngineDeadError:
         yield _sse(_engine_dead().body())
