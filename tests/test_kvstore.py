@@ -11,6 +11,7 @@ import time
 import pytest
 from redis_server import redis_url  # noqa: F401  (a fixture)
 
+from radixkv.cache.salt import salt_offset, salted
 from radixkv.kvstore import (
     CorruptEntry,
     FileBackend,
@@ -25,8 +26,8 @@ from radixkv.kvstore import (
 B = 4
 
 
-def keys_of(tokens, salt=None, fingerprint="m"):
-    return KeySpace(fingerprint, "float32", B).block_keys(tokens, len(tokens), salt)
+def keys_of(tokens, fingerprint="m"):
+    return KeySpace(fingerprint, "float32", B).block_keys(tokens, len(tokens))
 
 
 def test_a_key_names_its_block_and_every_token_before_it():
@@ -40,8 +41,7 @@ def test_a_key_names_its_block_and_every_token_before_it():
         changed = keys_of(other)
         assert changed[: i // B] == keys[: i // B]
         assert all(a != b for a, b in zip(changed[i // B :], keys[i // B :], strict=True))
-    assert not set(keys) & set(keys_of(base, salt="tenant-a"))
-    assert keys_of(base, salt="") == keys  # an empty salt is no salt
+    assert not set(keys) & set(keys_of(salted(base, salt_offset("tenant-a"))))  # as the cache keys it
     assert not set(keys) & set(keys_of(base, fingerprint="another model"))
     assert not set(keys) & set(KeySpace("m", "bfloat16", B).block_keys(base, 4))
 

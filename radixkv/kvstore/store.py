@@ -56,7 +56,6 @@ class StoreLookup:
     """One prompt's way through the store: keys, which exist, then a fetched run."""
 
     tokens: list[int]
-    salt: str | None
     deadline: float
     keys: list[bytes] | None = None
     present: list[bool] | None = None
@@ -155,9 +154,10 @@ class KVStore:
 
     # ------------------------------------------------------------------- reads
 
-    def lookup(self, tokens: list[int], salt: str | None = None) -> StoreLookup:
-        """Starts looking up the full blocks of `tokens` (a prompt without its last token)."""
-        lookup = StoreLookup(list(tokens), salt, time.monotonic() + self.timeout_s)
+    def lookup(self, tokens: list[int]) -> StoreLookup:
+        """Starts looking up the full blocks of `tokens` (a prompt without its last token, as the
+        cache keys it: salted)."""
+        lookup = StoreLookup(list(tokens), time.monotonic() + self.timeout_s)
         if self._down() or len(tokens) < self.keyspace.block_size:
             self._resolve(lookup, StoredRun(0))
         else:
@@ -200,7 +200,7 @@ class KVStore:
 
     def _exists(self, lookup: StoreLookup) -> None:
         try:
-            keys = self.keyspace.block_keys(lookup.tokens, len(lookup.tokens), lookup.salt)
+            keys = self.keyspace.block_keys(lookup.tokens, len(lookup.tokens))
             present = self.backend.exists(keys)
             lookup.keys, lookup.present = keys, present
             self._advance(lookup)
