@@ -137,3 +137,47 @@ def test_a_failed_copy_off_the_device_loses_only_those_writes(
         assert hit.num_cached_tokens == len(prompt) - 1
     assert m["kv_store_dropped_writes"] > 0 and m["kv_store_errors"] >= 1
     assert m["kv_store_written_blocks"] == 0
+
+
+@pytest.mark.slow
+def test_a_salted_prompt_is_found_in_the_store_under_its_own_salt_only(
+    model_folders, reference_models, tmp_path
+):
+    """The store is keyed as the cache keys blocks, salted: a restart finds tenant a's blocks
+    for tenant a and for nobody else (another salt, or none), and every output is transformers'."""
+    prompt = prompts(1, seed=6)[0]
+    url = f"file://{tmp_path}"
+    with engine(model_folders, url) as first:
+        first.generate(prompt, GREEDY, cache_salt="tenant-a")
+    expected = transformers_greedy(reference_models["llama"], prompt, 6)
+    found = {}
+    for salt in ("tenant-b", None, "tenant-a"):  # a fresh engine each: nothing in device memory
+        with engine(model_folders, url) as e:
+            (out,) = e.generate(prompt, GREEDY, cache_salt=salt)
+            found[salt] = (e.metrics()["store_cache_hits"], out.num_cached_tokens)
+        assert out.token_ids == expected
+    assert found["tenant-b"] == found[None] == (0, 0)
+    assert found["tenant-a"] == (full_blocks(prompt), full_blocks(prompt))
+
+
+@pytest.mark.slow
+def test_a_damaged_entry_mid_prompt_ends_the_stored_run_there(model_folders, reference_models, tmp_path):
+    """Blocks before a damaged entry are fetched; the damaged one and every block after it are
+    recomputed (a chain's later blocks are worth nothing without it)."""
+    from radixkv.kvstore import FileBackend
+
+    prompt = prompts(1, seed=7)[0]
+    url = f"file://{tmp_path}"
+    with engine(model_folders, url) as first:
+        first.generate(prompt, GREEDY)
+        keys = first.store.keyspace.block_keys(prompt, full_blocks(prompt) // 4)
+    path = FileBackend(tmp_path).path(keys[3])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in the payload's last byte
+    path.write_bytes(bytes(data))
+    with engine(model_folders, url) as second:
+        (out,) = second.generate(prompt, GREEDY)
+        m = second.metrics()
+    assert out.token_ids == transformers_greedy(reference_models["llama"], prompt, 6)
+    assert m["kv_store_corrupt_entries"] == 1
+    assert m["store_cache_hits"] == out.num_cached_tokens == 3 * 4
