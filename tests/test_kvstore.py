@@ -189,6 +189,28 @@ def test_a_lookup_fetches_only_the_run_that_continues_the_match():
     assert (m["kv_store_hit_blocks"], m["kv_store_miss_blocks"]) == (2, 2)
 
 
+def test_an_existence_check_still_running_at_admission_goes_on_to_the_fetch():
+    """The first poll finds the existence check running: it leaves the tree's match with it, and
+    the reader thread fetches from there as soon as the check ends, with no second poll (one
+    handoff between threads before admission instead of two)."""
+    backend = MemoryBackend()
+    store = make_store(backend)
+    tokens = list(range(4 * 5))
+    keys = store.keyspace.block_keys(tokens, 5)
+    backend.put([(k, encode_entry(k, b"xyz")) for k in keys])
+    checked = threading.Event()
+    exists = backend.exists
+    backend.exists = lambda keys: (checked.wait(30), exists(keys))[1]
+    lookup = store.lookup(tokens)
+    assert store.poll(lookup, 1) is None  # still checking: the match (block 1) goes with it
+    checked.set()
+    with store._changed:
+        assert store._changed.wait_for(lambda: lookup.done, 10), "the fetch never followed the check"
+    assert lookup.run.first_block == 1 and [b.payload for b in lookup.run.blocks] == [b"xyz"] * 4
+    assert store.poll(lookup, 1) is lookup.run
+    store.close()
+
+
 def test_a_store_that_is_down_is_a_miss_logged_once(caplog):
     backend = GatedBackend()
     backend.down = True
