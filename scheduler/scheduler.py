@@ -52,7 +52,12 @@ class StepOutcome(NamedTuple):
     touched: list[Request]
     failed: list[tuple[Request, Exception]]
 
-STORE_ADMIT_WAIT_S = 0.01  # how long admission waits on the KV store for one request, per phase
+# How long one schedule's admissions wait on the KV store, all requests together: at least
+# STORE_ADMIT_WAIT_S, or STORE_ADMIT_WAIT_SHARE of the last step's time when that is longer. A
+# request whose blocks are not fetched by then waits a whole step; waiting delays the step of
+# every running request, so it is bounded by a share of the step a skip would cost.
+STORE_ADMIT_WAIT_S = 0.01
+STORE_ADMIT_WAIT_SHARE = 0.25
 
 
 @dataclass(slots=True, init=False)
@@ -89,6 +94,9 @@ class Scheduler:
         self.kv = kv
         self.store = store
         self.waits_for_store = False  # the last schedule skipped a request fetching from the store
+        self.step_s = 0.0  # the last step's time, from schedule() to postprocess()
+        self._scheduled_at = 0.0
+        self._store_until: float | None = None  # this schedule's end of waiting on the store
         self.eos = set(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,6 +141,8 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         self.waits_for_store = False
+        self._scheduled_at = time.perf_counter()
+        self._store_until = None
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -234,7 +244,10 @@ class Scheduler:
         start = self.kv.cache.cached_prefix_len(lookup.tokens) // self.kv.block_size
         if start == len(lookup.tokens) // self.kv.block_size:  # the memory tiers hold every block
             return StoredRun(start)
-        return self.store.poll(lookup, start, STORE_ADMIT_WAIT_S)
+        now = time.perf_counter()
+        if self._store_until is None:
+            self._store_until = now + max(STORE_ADMIT_WAIT_S, STORE_ADMIT_WAIT_SHARE * self.step_s)
+        return self.store.poll(lookup, start, max(0.0, self._store_until - now))
 
     def _waits_for_shared_prefill(self, request: Request) -> bool:
         """Whether a prompt being prefilled now shares a block or more of tokens with this one
@@ -276,6 +289,7 @@ class Scheduler:
         the rows are the logits in order (no beams, no forks), they are not gathered: indexing
         256 rows by a list cost 110 us."""
         now = time.perf_counter()
+        self.step_s = now - self._scheduled_at
         requests: list[Request] = []  # sampled: sequence j of `seqs` is request j's, from row `rows[j]`
         seqs: list[Sequence] = []
         rows: list[int] = []
