@@ -143,11 +143,23 @@ class ModelRunner:
         outside the cache or a sequence longer than the model's `max_model_len`, and
         RuntimeError once the runner is closed.
         """
+        return self.execute(self.prepare(chunks))
+
+    def prepare(self, chunks: list[SequenceChunk]) -> HostBatch:
+        """The first half of `forward`: the chunks' inputs, built on the host and sent to the
+        device. With host/device overlap the engine prepares a step while the one before runs."""
+        if self.closed:
+            raise RuntimeError("the model runner is closed")
+        return self.batch.prepare(chunks)
+
+    @torch.inference_mode()
+    def execute(self, step: HostBatch) -> torch.Tensor:
+        """The second half of `forward`: runs the model on prepared inputs (the pending loads
+        written layer by layer); returns the logits."""
         if self.closed:
             raise RuntimeError("the model runner is closed")
         load = self.pending_load
         try:
-            step = self.batch.prepare(chunks)
             if self.graphs is not None and self.graphs.fits(step):
                 if load is not None:  # a replay reads every layer, without calling back here
                     self._finish_early()
