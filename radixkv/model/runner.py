@@ -187,7 +187,7 @@ class ModelRunner:
         launches = plan_paged_attention(
             step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size,
+            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
         )
         return PagedBatch(
             k_caches=self.k_caches,
