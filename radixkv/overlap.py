@@ -75,6 +75,7 @@ class OverlapStepper:
             flight, self.in_flight = self.in_flight, None
             batch: list[ScheduledSeq] = []
             inputs: Any = None
+            holes: list[tuple[int, ScheduledSeq]] = []
             speculated: list[Sequence] = []
             sampled: SampledStep | None = None
             touched: list[Request] = []
@@ -87,6 +88,7 @@ class OverlapStepper:
                         item.seq.ahead += len(item.token_ids)
                     prepare = getattr(core.runner, "prepare", None)
                     inputs = prepare(batch) if batch and prepare is not None else None
+                    holes = _placeholders(batch)
                 except Exception as exc:
                     ended += core._fail(core._step_requests(batch), exc)
                     batch = []
@@ -95,7 +97,7 @@ class OverlapStepper:
                     ended += lost
                 if batch:
                     try:
-                        self._submit(batch, inputs, sampled)
+                        self._submit(batch, inputs, holes, sampled)
                     except Exception as exc:
                         ended += core._fail(core._step_requests(batch), exc)
                 if sampled is not None:
@@ -156,22 +158,27 @@ class OverlapStepper:
             return None, self.core._fail_each([(r, exc) for r in _requests(flight.batch)])
         return self.core.scheduler.sample_step(flight.batch, logits), []
 
-    def _submit(self, batch: list[ScheduledSeq], inputs: Any, sampled: SampledStep | None) -> None:
-        """Puts step N's tokens into step N+1's placeholders, runs its block copies and hands
-        its forward to the worker."""
+    def _submit(
+        self, batch: list[ScheduledSeq], inputs: Any, holes: list[tuple[int, ScheduledSeq]],
+        sampled: SampledStep | None,
+    ) -> None:
+        """Puts step N's tokens into step N+1's placeholders (`holes`: input index and entry),
+        runs its block copies and hands its forward to the worker."""
         core = self.core
         tokens = dict(zip(sampled.seqs, sampled.tokens, strict=True)) if sampled is not None else {}
-        index, where, values = 0, [], []
-        for item in batch:
-            if item.token_ids[0] == PLACEHOLDER:
-                token = tokens.get(item.seq)
-                item.token_ids[0] = RESOLVED_IF_LOST if token is None else token
-                where.append(index)
-                values.append(item.token_ids[0])
-            index += len(item.token_ids)
-        if where and inputs is not None:
-            ids = torch.tensor(values, dtype=inputs.input_ids.dtype)
-            inputs.input_ids[0, torch.tensor(where)] = ids.to(inputs.input_ids.device, non_blocking=True)
+        values = []
+        for _, item in holes:
+            token = tokens.get(item.seq)
+            item.token_ids[0] = token = RESOLVED_IF_LOST if token is None else token
+            values.append(token)
+        if holes and inputs is not None:
+            where = [index for index, _ in holes]
+            input_ids = inputs.input_ids
+            if input_ids.device.type == "cpu":  # numpy's indexing: a tenth of torch's 0.1 ms here
+                input_ids.numpy()[0, where] = values
+            else:
+                ids = torch.tensor(values, dtype=input_ids.dtype).to(input_ids.device, non_blocking=True)
+                input_ids[0, torch.tensor(where, device=input_ids.device)] = ids
         core.num_steps += 1
         core.kv.run_transfers(core.runner)
         run: Callable[[], torch.Tensor]
@@ -199,6 +206,16 @@ def _speculate(batch: list[ScheduledSeq], max_model_len: int) -> list[Sequence]:
         seq.tokens.append(PLACEHOLDER)
         out.append(seq)
     return out
+
+
+def _placeholders(batch: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
+    """The entries of `batch` that decode a placeholder, with their index in the step's inputs."""
+    holes, index = [], 0
+    for item in batch:
+        if item.token_ids[0] == PLACEHOLDER:
+            holes.append((index, item))
+        index += len(item.token_ids)
+    return holes
 
 
 def _computed(batch: list[ScheduledSeq]) -> None:

@@ -57,8 +57,9 @@ class SampledStep(NamedTuple):
     """A step's tokens before they are appended (`Scheduler.sample_step`, then `commit`):
     sampled sequence j is `requests[j]`'s `seqs[j]`, with `tokens[j]` (None when its request's
     sampling raised, in `failed`) and logprob `records[j]`; `beam_rows` are the beam groups
-    whose rows were scored."""
+    whose rows were scored; `batch` the step's entries."""
 
+    batch: list[ScheduledSeq]
     requests: list[Request]
     seqs: list[Sequence]
     tokens: list[int | None]
@@ -310,8 +311,6 @@ class Scheduler:
                     row += len(item.token_ids) if item.logits == "all" else 1
                     forked = True  # the sampled rows skip these
                 continue
-            if seq.num_computed <= seq.num_prompt_tokens:
-                self.kv.cache_running(seq.table, seq.tokens, seq.num_computed)
             if item.logits == "all":
                 num_rows = len(item.token_ids)
                 _record_prompt_logprobs(request, item.start_pos, logits[row : row + num_rows])
@@ -343,14 +342,19 @@ class Scheduler:
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
             tokens, records = self._sample(chosen, requests, seqs, failed)
-        return SampledStep(requests, seqs, tokens, records, beam_rows, failed)
+        return SampledStep(batch, requests, seqs, tokens, records, beam_rows, failed)
 
     def commit(self, sampled: SampledStep) -> StepOutcome:
         """Appends a sampled step's tokens, steps its beam groups, finishes and caches what is
-        done; returns the requests that made tokens or finished, and those that failed."""
+        done; returns the requests that made tokens or finished, and those that failed. Prompts
+        cache their computed blocks first, as they go."""
         now = time.perf_counter()
         touched: dict[str, Request] = {}
-        requests, seqs, tokens, records, beam_rows, failed = sampled
+        batch, requests, seqs, tokens, records, beam_rows, failed = sampled
+        for item in batch:
+            seq = item.seq
+            if seq.table is not None and seq.num_computed <= seq.num_prompt_tokens:
+                self.kv.cache_running(seq.table, seq.tokens, seq.num_computed)
         if seqs:
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):

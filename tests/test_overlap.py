@@ -175,3 +175,15 @@ def test_a_failed_forward_fails_its_step_only(model_folders, at_call):
     assert [o.token_ids for o in eng.generate(again, params)] == [
         o.token_ids for o in fresh.generate(again, params)
     ]
+
+
+def test_close_with_a_step_in_flight_then_later_requests_fail_at_once(model_folders):
+    eng = engine(model_folders["llama"], overlap=True)
+    eng.add_request(prompts(1, seed=5)[0], GREEDY)
+    eng.step()
+    assert eng._overlap.in_flight is not None
+    eng.close()  # waits for the step in flight, then aborts its request
+    rid = eng.add_request(prompts(1, seed=6)[0], GREEDY)
+    eng.step()
+    with pytest.raises(RequestError):
+        eng.output(rid)

@@ -33,10 +33,14 @@ class StepWorker:
     def __init__(self, device: torch.device) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._device = device
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="radixkv-step-worker", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], Any]) -> Future:
+        """Queues `job`; returns once it has started. RuntimeError once the worker is closed."""
+        if self._closed:
+            raise RuntimeError("the step worker is closed")
         future: Future = Future()
         started = threading.Event()
         self._jobs.put((job, future, started))
@@ -46,6 +50,7 @@ class StepWorker:
 
     def close(self) -> None:
         """Stops the thread once its queued jobs are done (idempotent)."""
+        self._closed = True
         if self._thread.is_alive():
             self._jobs.put(_STOP)
             self._thread.join()
