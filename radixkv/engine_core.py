@@ -51,6 +51,7 @@ from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.output_processor import beam_output, result_of, sample_output, stream_deltas
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
+from radixkv.overlap import OverlapStepper
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 
@@ -144,6 +145,7 @@ class EngineCore:
         self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
         self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
         self.num_steps = 0  # steps that ran a batch
+        self._overlap = OverlapStepper(self) if config.overlap else None
 
     def _open_store(self, config: EngineConfig, block_bytes: int) -> KVStore | None:
         """The KV store of `config.kv_store`, keyed for this model, dtype and block size."""
@@ -242,7 +244,11 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that made progress (new tokens or done).
-        Requests the step failed are not among them: their callers get a RequestError."""
+        Requests the step failed are not among them: their callers get a RequestError. With
+        `EngineConfig.overlap` a step submits the next batch and returns the tokens of the one
+        before (`radixkv.overlap`)."""
+        if self._overlap is not None:
+            return self._overlap.step()
         with self._lock:
             ended = self._drain()
             batch: list[ScheduledSeq] = []
@@ -264,11 +270,15 @@ class EngineCore:
             except BaseException as exc:
                 self._notify(ended + self._fail(self._step_requests(batch), exc))
                 raise
-            self._observe(touched)
-            for hook in self.step_hooks:
-                hook(self)
-            self._notify(ended + touched)
-            return touched
+            return self._end_step(touched, ended)
+
+    def _end_step(self, touched: list[Request], ended: list[Request]) -> list[Request]:
+        """A step's last acts, under the step lock: metrics, hooks, `on_update`; returns `touched`."""
+        self._observe(touched)
+        for hook in self.step_hooks:
+            hook(self)
+        self._notify(ended + touched)
+        return touched
 
     def close(self) -> None:
         """Releases everything the engine holds (idempotent): requests still going are aborted;
@@ -278,6 +288,8 @@ class EngineCore:
         requests fail in their first step."""
         try:
             with self._lock:
+                if self._overlap is not None:
+                    self._overlap.close()
                 for request_id in list(self._requests):
                     if self._requests[request_id].status is not Status.FINISHED:
                         self._aborts.append(request_id)
@@ -299,7 +311,9 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests queued, waiting or running, aborts or
         sessions to close."""
-        return bool(self._inbox or self._aborts or self._closed_sessions or self.scheduler.has_work())
+        in_flight = self._overlap is not None and self._overlap.in_flight is not None
+        queued = self._inbox or self._aborts or self._closed_sessions
+        return bool(queued or self.scheduler.has_work() or in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return self.has_work()
@@ -415,9 +429,9 @@ class EngineCore:
             request = self._requests.get(self._aborts.popleft())
             if request is None or request.status is Status.FINISHED:
                 continue
-            for seq in request.seqs:  # between steps every counted token is computed
+            for seq in request.seqs:  # all but the slots of a step in flight are computed
                 if seq.table is not None:
-                    self.kv.cache_finished(seq.table, seq.tokens)
+                    self.kv.cache_finished(seq.table, seq.tokens, seq.num_computed)
             self.scheduler.remove(request)
             if not request.is_beam_search:
                 for seq in request.seqs:

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from radixkv.kvstore.store import StoreLookup
 
 
+PLACEHOLDER = -1
+"""A generated token whose step is still in flight (host/device overlap): never a vocabulary id.
+It stands at the end of a sequence's tokens only while the engine schedules the next step."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -45,6 +50,7 @@ class Sequence:
     index: int = 0  # which of a request's n samples
     detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (`text_pieces`)
     token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
+    ahead: int = 0  # slots of its table that steps in flight (overlap) have not computed yet
 
     def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
         """Sample `index` of the same prompt, before any token is generated: shares the KV."""
@@ -81,6 +87,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the cache now: what may be cached in the tree."""
+        return self.table.num_tokens - self.ahead
 
     @property
     def num_uncomputed(self) -> int:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from radixkv.scheduler.beam_search import BeamSearch
 from radixkv.scheduler.chunk import SequenceChunk
-from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
 from radixkv.scheduler.waiting_queue import WaitingQueue
 
 from radixkv.cache.block_pool import OutOfBlocks
@@ -51,6 +51,22 @@ class StepOutcome(NamedTuple):
 
     touched: list[Request]
     failed: list[tuple[Request, Exception]]
+
+
+class SampledStep(NamedTuple):
+    """A step's tokens before they are appended (`Scheduler.sample_step`, then `commit`):
+    sampled sequence j is `requests[j]`'s `seqs[j]`, with `tokens[j]` (None when its request's
+    sampling raised, in `failed`) and logprob `records[j]`; `beam_rows` are the beam groups
+    whose rows were scored; `batch` the step's entries."""
+
+    batch: list[ScheduledSeq]
+    requests: list[Request]
+    seqs: list[Sequence]
+    tokens: list[int | None]
+    records: list[TokenLogprob | None]
+    beam_rows: dict[str, Request]
+    failed: dict[str, tuple[Request, Exception]]
+
 
 # How long one schedule's admissions wait on the KV store, all requests together: at least
 # STORE_ADMIT_WAIT_S, or STORE_ADMIT_WAIT_SHARE of the last step's time when that is longer. A
@@ -270,7 +286,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         for seq in request.seqs:
-            self.kv.preempt(seq.table, seq.tokens)
+            self.kv.preempt(seq.table, seq.tokens, seq.num_computed)
+            if seq.tokens[-1] == PLACEHOLDER:  # its step's token is dropped: resuming samples again
+                seq.tokens.pop()
             seq.table = None
             seq.logprobs = None
         self.running.remove(request)
@@ -282,7 +300,13 @@ class Scheduler:
 
     def postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> StepOutcome:
         """Consumes the step's logits (one row per entry of `batch` that needs logits, in
-        order); returns the requests that made tokens or finished, and those that failed.
+        order); returns the requests that made tokens or finished, and those that failed."""
+        return self.commit(self.sample_step(batch, logits))
+
+    def sample_step(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> SampledStep:
+        """The step's tokens, not yet appended (`commit` does). An entry whose sequence has
+        ended since it was scheduled (finished a step early, aborted, preempted, failed: its
+        table is gone) has its rows skipped: with overlap its extra token is discarded.
 
         One pass over the batch sorts its rows into sampled ones and beam ones, then one `sample`
         call (one argmax for a greedy batch) and one `.tolist()` serve every sampled row. When
@@ -298,8 +322,11 @@ class Scheduler:
         row = 0
         for item in batch:
             seq, request = item.seq, item.request
-            if seq.table.num_tokens <= seq.num_prompt_tokens:
-                self.kv.cache_running(seq.table, seq.tokens)
+            if seq.table is None:
+                if item.logits != "none":
+                    row += len(item.token_ids) if item.logits == "all" else 1
+                    forked = True  # the sampled rows skip these
+                continue
             if item.logits == "all":
                 num_rows = len(item.token_ids)
                 _record_prompt_logprobs(request, item.start_pos, logits[row : row + num_rows])
@@ -325,11 +352,26 @@ class Scheduler:
                 seqs.append(seq)
                 rows.append(row)
             row += 1
-        touched: dict[str, Request] = {}
         failed: dict[str, tuple[Request, Exception]] = {}
+        tokens: list[int | None] = []
+        records: list[TokenLogprob | None] = []
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
             tokens, records = self._sample(chosen, requests, seqs, failed)
+        return SampledStep(batch, requests, seqs, tokens, records, beam_rows, failed)
+
+    def commit(self, sampled: SampledStep) -> StepOutcome:
+        """Appends a sampled step's tokens, steps its beam groups, finishes and caches what is
+        done; returns the requests that made tokens or finished, and those that failed. Prompts
+        cache their computed blocks first, as they go."""
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        batch, requests, seqs, tokens, records, beam_rows, failed = sampled
+        for item in batch:
+            seq = item.seq
+            if seq.table is not None and seq.num_computed <= seq.num_prompt_tokens:
+                self.kv.cache_running(seq.table, seq.tokens, seq.num_computed)
+        if seqs:
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
                 if token is None:  # its request failed
@@ -415,7 +457,7 @@ class Scheduler:
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.kv.cache_finished(seq.table, tokens)
+            self.kv.cache_finished(seq.table, tokens, seq.num_computed)
             seq.table = None
             request.seqs.remove(seq)
             request.finish_seq(seq, seq.finish_reason)

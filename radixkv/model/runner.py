@@ -125,11 +125,23 @@ class ModelRunner:
         outside the cache or a sequence longer than the model's `max_model_len`, and
         RuntimeError once the runner is closed.
         """
+        return self.execute(self.prepare(chunks))
+
+    def prepare(self, chunks: list[SequenceChunk]) -> HostBatch:
+        """The first half of `forward`: the chunks' inputs, built on the host and sent to the
+        device. With host/device overlap the engine prepares a step while the one before runs."""
+        if self.closed:
+            raise RuntimeError("the model runner is closed")
+        return self.batch.prepare(chunks)
+
+    @torch.inference_mode()
+    def execute(self, step: HostBatch) -> torch.Tensor:
+        """The second half of `forward`: runs the model on prepared inputs (the pending loads
+        written layer by layer); returns the logits."""
         if self.closed:
             raise RuntimeError("the model runner is closed")
         load = self.pending_load
         try:
-            step = self.batch.prepare(chunks)
             if self.graphs is not None and self.graphs.fits(step):
                 if load is not None:  # a replay reads every layer, without calling back here
                     self._finish_early()
@@ -157,7 +169,7 @@ class ModelRunner:
         launches = plan_paged_attention(
             step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size,
+            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
         )
         return PagedBatch(
             k_caches=self.k_caches,
