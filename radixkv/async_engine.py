@@ -77,6 +77,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def grammars(self) -> Any:
+        """Structured output's compiler (`EngineCore.grammars`), for checking specs ahead."""
+        return self.core.grammars
+
+    @property
     def loop_thread(self) -> threading.Thread:
         return self._thread
 

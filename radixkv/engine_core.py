@@ -25,6 +25,7 @@ ended, in the stepping thread, under the step lock.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import threading
 import time
@@ -56,6 +57,7 @@ from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
+from radixkv.structured.grammar import GrammarCompiler
 
 Prompt = str | list[int]
 STORE_QUEUE_BYTES = 256 * 2**20
@@ -131,6 +133,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling,
             store=self.store,
+            vocab_size=self.vocab_size,
         )
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
@@ -157,6 +160,14 @@ class EngineCore:
         pending = max(16, STORE_QUEUE_BYTES // block_bytes)
         backend = open_backend(config.kv_store)
         return KVStore(backend, keys, block_bytes, pending, url=config.kv_store)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler over this model's tokenizer, made on first use (reading
+        a large vocabulary takes about a second). ValueError for a model without a fast one."""
+        if self.model.tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarCompiler(self.model.tokenizer, self.vocab_size, self.eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
@@ -214,6 +225,8 @@ class EngineCore:
                 seq.detok = IncrementalDetokenizer(self.decode, params.stop, start=len(ids))
             if params.logprobs is not None:
                 seq.token_logprobs = []
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

@@ -42,6 +42,7 @@ from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import sample_seed
+from radixkv.structured.masks import MaskFiller
 
 
 class StepOutcome(NamedTuple):
@@ -85,8 +86,11 @@ class Scheduler:
         max_model_len: int,
         policy: str,
         store: KVStore | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.kv = kv
+        self.vocab_size = vocab_size  # the logits' width, for structured output's token masks
+        self._masks: MaskFiller | None = None  # made when a structured request first runs
         self.store = store
         self.waits_for_store = False  # the last schedule skipped a request fetching from the store
         self.eos = set(eos_token_ids)
@@ -170,7 +174,21 @@ class Scheduler:
         if not preempted and budget > 0 and len(self.waiting) and self.num_running_seqs < self.max_num_seqs:
             budget = self._admit(batch, budget)
         self.waiting.age()
+        self._start_masks(batch)
         return batch
+
+    def _start_masks(self, batch: list[ScheduledSeq]) -> None:
+        """Starts filling the token masks of the structured sequences this step samples, to run
+        beside the forward pass (`radixkv.structured.masks`)."""
+        matchers = [
+            item.seq.grammar
+            for item in batch
+            if item.seq.grammar is not None and item.start_pos + len(item.token_ids) == len(item.seq.tokens)
+        ]
+        if matchers and self._masks is None:
+            self._masks = MaskFiller(self.vocab_size)
+        if self._masks is not None:
+            self._masks.start(matchers)
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
         for request in self.waiting.ordered():
@@ -279,6 +297,7 @@ class Scheduler:
         requests: list[Request] = []  # sampled: sequence j of `seqs` is request j's, from row `rows[j]`
         seqs: list[Sequence] = []
         rows: list[int] = []
+        grammars: list = []  # per sampled row, the matcher whose mask it takes (a fork: its parent's)
         beam_rows: dict[str, Request] = {}
         forked = False  # the sampled rows are not the logits in order
         row = 0
@@ -306,19 +325,26 @@ class Scheduler:
                     requests.append(request)
                     seqs.append(s)
                     rows.append(row)
+                    grammars.append(seq.grammar)
             else:
                 requests.append(request)
                 seqs.append(seq)
                 rows.append(row)
+                grammars.append(seq.grammar)
             row += 1
         touched: dict[str, Request] = {}
         failed: dict[str, tuple[Request, Exception]] = {}
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
-            tokens, records = self._sample(chosen, requests, seqs, failed)
+            bitmask = self._bitmask(grammars)
+            tokens, records = self._sample(chosen, requests, seqs, failed, bitmask)
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
-                if token is None:  # its request failed
+                if token is None or request.request_id in failed:  # its request failed
+                    continue
+                if seq.grammar is not None and not seq.grammar.consume_token(token):
+                    error = ValueError(f"structured output rejected token {token}: {seq.grammar.get_error()}")
+                    failed[request.request_id] = (request, error)
                     continue
                 if record is not None:
                     seq.token_logprobs.append(record)
@@ -350,6 +376,7 @@ class Scheduler:
         requests: list[Request],
         seqs: list[Sequence],
         failed: dict[str, tuple[Request, Exception]],
+        bitmask: torch.Tensor | None = None,
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Row i's token and logprob record, batched. If the batch raises, each request's rows are
         sampled alone and a request whose own rows raise goes into `failed` (its tokens None), so
@@ -358,7 +385,7 @@ class Scheduler:
         params = [request.params for request in requests]
         generators = [seq.generator for seq in seqs]
         try:
-            tokens = sample(logits, params, generators, seqs, self.eos)
+            tokens = sample(logits, params, generators, seqs, self.eos, bitmask)
             return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
         except Exception:  # find the request at fault below
             pass
@@ -371,7 +398,8 @@ class Scheduler:
             try:
                 own = logits[rows]
                 own_params, own_seqs = [params[i] for i in rows], [seqs[i] for i in rows]
-                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos)
+                own_mask = bitmask[rows] if bitmask is not None else None
+                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos, own_mask)
                 records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
             except Exception as error:
                 failed[request_id] = (requests[rows[0]], error)
@@ -379,6 +407,17 @@ class Scheduler:
             for i, token, record in zip(rows, tokens.tolist(), records, strict=True):
                 out_tokens[i], out_records[i] = token, record
         return out_tokens, out_records
+
+    def _bitmask(self, grammars: list) -> torch.Tensor | None:
+        """The sampled rows' token bitmask (all bits set for a free row), or None when no row is
+        structured: the rows the step's `_start_masks` filled, gathered in row order."""
+        structured = [j for j, g in enumerate(grammars) if g is not None]
+        if not structured:
+            return None
+        filled = self._masks.rows([grammars[j] for j in structured])
+        bitmask = torch.full((len(grammars), filled.shape[1]), -1, dtype=torch.int32)
+        bitmask[structured] = filled
+        return bitmask
 
     def _fork(self, seq: Sequence, k: int) -> Sequence:
         """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own
@@ -396,7 +435,13 @@ class Scheduler:
         if params.stop:  # only a stop string needs the text now; readers detokenize the rest
             seq.detok.push(tokens)
             stop_string = seq.detok.stopped
-        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
+        grammar_done = seq.grammar is not None and seq.grammar.is_stopped()
+        if (
+            token in params.stop_token_ids
+            or (token in self.eos and not params.ignore_eos)
+            or stop_string
+            or grammar_done
+        ):
             seq.finish_reason = "stop"
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
             seq.finish_reason = "length"

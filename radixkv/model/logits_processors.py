@@ -60,6 +60,17 @@ def process_logits(
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits [B, V]` with every token that row i's `bitmask[i]` disallows set to -inf, as a new
+    tensor. The bitmask is int32 `[B, ceil(V / 32)]`: bit `t % 32` of word `t // 32` set allows
+    token t (llguidance's layout, `radixkv.structured.masks`). A few tensor operations for the
+    whole batch, on the logits' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Sets to -inf every logit whose probability is below `min_p[i]` times row i's highest
     (transformers' `MinPLogitsWarper`; the most likely token always stays)."""
