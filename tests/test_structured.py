@@ -8,9 +8,11 @@ import json
 import re
 
 import pytest
+import radixkv.scheduler.scheduler as scheduler_module
 import torch
 
 from radixkv import Engine
+from radixkv.errors import RequestError
 from radixkv.model.sampler import make_generator, sample
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 from radixkv.sampling_params import SamplingParams
@@ -129,3 +131,32 @@ def test_engine_samples_follow_the_grammar_and_finish_when_it_is_complete(small_
     assert len(regex.token_ids) == 3  # done at the grammar's end: no EOS drawn, no token past it
     with pytest.raises(ValueError, match="structured_outputs"):
         small_llama_engine.generate("a", SamplingParams(structured_outputs=StructuredOutputs(regex="(")))
+
+
+def test_a_token_its_grammar_rejects_fails_that_request_alone(model_folders, monkeypatch):
+    """Fault injection: the sampler hands a structured row a token its mask forbids. That request
+    fails; its neighbour in the same steps finishes as it would alone, and nothing leaks."""
+    real = scheduler_module.sample
+
+    def poisoned(logits, params, generators, *rest):
+        tokens = real(logits, params, generators, *rest)
+        for i, p in enumerate(params):
+            if p.structured_outputs is not None:
+                tokens[i] = ord("z")  # the grammar takes digits only
+        return tokens
+
+    monkeypatch.setattr(scheduler_module, "sample", poisoned)
+    engine = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB")
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = engine.generate("neighbour", greedy)[0].token_ids
+    bad = engine.add_request(
+        "x", SamplingParams(max_tokens=6, structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    )
+    good = engine.add_request("neighbour", greedy)
+    engine.run_until(lambda: engine.is_finished(bad) and engine.is_finished(good))
+    with pytest.raises(RequestError) as raised:
+        engine.output(bad)
+    assert "rejected token" in str(raised.value.__cause__)
+    assert engine.output(good).token_ids == alone
+    engine.check_invariants()
+    assert engine.kv.num_live_tables() == 0
