@@ -38,6 +38,7 @@ from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.kvstore.store import KVStore, StoredRun
+from radixkv.model.logits_processors import TokenMask
 from radixkv.model.runner import SequenceChunk
 from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
@@ -336,8 +337,8 @@ class Scheduler:
         failed: dict[str, tuple[Request, Exception]] = {}
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
-            bitmask = self._bitmask(grammars)
-            tokens, records = self._sample(chosen, requests, seqs, failed, bitmask)
+            mask = self._token_mask(grammars)
+            tokens, records = self._sample(chosen, requests, seqs, failed, mask)
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
                 if token is None or request.request_id in failed:  # its request failed
@@ -376,7 +377,7 @@ class Scheduler:
         requests: list[Request],
         seqs: list[Sequence],
         failed: dict[str, tuple[Request, Exception]],
-        bitmask: torch.Tensor | None = None,
+        mask: TokenMask | None = None,
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Row i's token and logprob record, batched. If the batch raises, each request's rows are
         sampled alone and a request whose own rows raise goes into `failed` (its tokens None), so
@@ -385,7 +386,7 @@ class Scheduler:
         params = [request.params for request in requests]
         generators = [seq.generator for seq in seqs]
         try:
-            tokens = sample(logits, params, generators, seqs, self.eos, bitmask)
+            tokens = sample(logits, params, generators, seqs, self.eos, mask)
             return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
         except Exception:  # find the request at fault below
             pass
@@ -398,7 +399,7 @@ class Scheduler:
             try:
                 own = logits[rows]
                 own_params, own_seqs = [params[i] for i in rows], [seqs[i] for i in rows]
-                own_mask = bitmask[rows] if bitmask is not None else None
+                own_mask = _own_mask(mask, rows)
                 tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos, own_mask)
                 records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
             except Exception as error:
@@ -408,16 +409,13 @@ class Scheduler:
                 out_tokens[i], out_records[i] = token, record
         return out_tokens, out_records
 
-    def _bitmask(self, grammars: list) -> torch.Tensor | None:
-        """The sampled rows' token bitmask (all bits set for a free row), or None when no row is
-        structured: the rows the step's `_start_masks` filled, gathered in row order."""
+    def _token_mask(self, grammars: list) -> TokenMask | None:
+        """The structured sampled rows' token mask, or None when no row is structured: the rows
+        the step's `_start_masks` filled, in row order."""
         structured = [j for j, g in enumerate(grammars) if g is not None]
         if not structured:
             return None
-        filled = self._masks.rows([grammars[j] for j in structured])
-        bitmask = torch.full((len(grammars), filled.shape[1]), -1, dtype=torch.int32)
-        bitmask[structured] = filled
-        return bitmask
+        return TokenMask(structured, self._masks.rows([grammars[j] for j in structured]))
 
     def _fork(self, seq: Sequence, k: int) -> Sequence:
         """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own
@@ -487,6 +485,17 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
+
+
+def _own_mask(mask: TokenMask | None, rows: list[int]) -> TokenMask | None:
+    """The part of `mask` for the sampled rows `rows`, renumbered as they are sampled alone."""
+    if mask is None:
+        return None
+    where = {row: j for j, row in enumerate(mask.rows)}
+    own = [(k, where[row]) for k, row in enumerate(rows) if row in where]
+    if not own:
+        return None
+    return TokenMask([k for k, _ in own], mask.bitmask[[j for _, j in own]])
 
 
 def _record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor) -> None:

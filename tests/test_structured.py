@@ -13,6 +13,7 @@ import torch
 
 from radixkv import Engine
 from radixkv.errors import RequestError
+from radixkv.model.logits_processors import TokenMask
 from radixkv.model.sampler import make_generator, sample
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 from radixkv.sampling_params import SamplingParams
@@ -23,13 +24,13 @@ from radixkv.structured.masks import MaskFiller
 EOS = 258
 
 
-def pack(allowed: list[set[int] | None], vocab: int) -> torch.Tensor:
-    """The int32 bitmask of `allowed` (None: every token), packed one bit at a time."""
+def pack(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """The int32 bitmask of `allowed`, packed one bit at a time."""
     words = (vocab + 31) // 32
     rows = []
     for tokens in allowed:
         row = [0] * words
-        for t in range(vocab) if tokens is None else tokens:
+        for t in tokens:
             row[t // 32] |= 1 << (t % 32)
         rows.append([w - (1 << 32) if w >= 1 << 31 else w for w in row])  # as int32 holds it
     return torch.tensor(rows, dtype=torch.int32)
@@ -47,15 +48,16 @@ def test_sampler_with_a_bitmask_never_picks_a_masked_token():
     allowed: list[set[int] | None] = [
         set(torch.randperm(vocab, generator=gen)[:k].tolist()) for k in (1, 2, 7, 40, 200)
     ] + [None]
-    bitmask = pack(allowed, vocab)
+    masked = [i for i, a in enumerate(allowed) if a is not None]  # the last row is free: not in the mask
+    mask = TokenMask(masked, pack([allowed[i] for i in masked], vocab))
     keep = torch.tensor([[a is None or t in a for t in range(vocab)] for a in allowed])
     want = logits.masked_fill(~keep, float("-inf")).argmax(dim=-1)
     greedy = [SamplingParams(temperature=0)] * rows
-    assert torch.equal(sample(logits, greedy, [None] * rows, bitmask=bitmask), want)
+    assert torch.equal(sample(logits, greedy, [None] * rows, mask=mask), want)
     hot = [SamplingParams(temperature=2.0, top_k=3)] * rows
     for seed in range(50):
         gens = [make_generator(seed * rows + i, "cpu") for i in range(rows)]
-        tokens = sample(logits, hot, gens, bitmask=bitmask).tolist()
+        tokens = sample(logits, hot, gens, mask=mask).tolist()
         for token, row, a in zip(tokens, logits, allowed, strict=True):
             assert a is None or token in a
             top3 = set(
