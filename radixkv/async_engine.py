@@ -106,6 +106,11 @@ class AsyncEngine:
             self._thread.start()
 
     @property
+    def grammars(self) -> Any:
+        """Structured output's compiler (`EngineCore.grammars`), for checking specs ahead."""
+        return self.core.grammars
+
+    @property
     def loop_thread(self) -> threading.Thread:
         """The thread that hands the steps' news to callers: the stepping loop in process, the
         reader of the core's messages with `engine_process`."""

@@ -24,6 +24,7 @@ ended, in the stepping thread, under the step lock.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -54,6 +55,7 @@ from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.overlap import OverlapStepper
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
+from radixkv.structured.grammar import GrammarCompiler
 
 STORE_QUEUE_BYTES = 256 * 2**20
 STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
@@ -131,6 +133,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling,
             store=self.store,
+            vocab_size=self.vocab_size,
         )
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
@@ -158,6 +161,14 @@ class EngineCore:
         backend = open_backend(config.kv_store)
         return KVStore(backend, keys, block_bytes, pending, url=config.kv_store)
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler over this model's tokenizer, made on first use (reading
+        a large vocabulary takes about a second). ValueError for a model without a fast one."""
+        if self.model.tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarCompiler(self.model.tokenizer, self.vocab_size, self.eos_token_ids)
+
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
         """An engine for a local Hugging Face folder; keyword arguments are `EngineConfig` fields."""
@@ -182,10 +193,14 @@ class EngineCore:
         eviction policy until `close_session`. `cache_salt` gives it a cache namespace: it shares
         cached blocks only with requests of the same salt (`radixkv.cache.salt`); without one,
         with every other unsalted request."""
-        return self.inputs.make_request(
+        request = self.inputs.make_request(
             prompt, params, request_id, call=call, session_id=session_id, cache_salt=cache_salt,
             in_use=self._requests,
         )
+        spec = getattr(request.params, "structured_outputs", None)
+        if spec is not None:  # the matcher lives where the sampler runs: in the core
+            request.seqs[0].grammar = self.grammars.matcher(spec)
+        return request
 
     def submit(self, requests: list[Request]) -> list[str]:
         """Queues requests for the next step; returns their ids. Never waits for a step."""

@@ -6,7 +6,8 @@ One overlapped `step()` (in the order it runs, under the step lock):
    `PLACEHOLDER` token, and step N+1 is scheduled: those sequences decode their placeholder. A
    sequence that step N's token brings to `max_tokens` or `max_model_len` gets none; beam groups
    and a prompt about to fork into `n` samples get none either (step N's result reshapes them),
-   so they skip step N+1.
+   nor does a structured sequence (its next token mask needs step N's token consumed by its
+   grammar), so they skip step N+1.
 3. Step N+1's inputs are built and sent (`ModelRunner.prepare`).
 4. Step N's logits are awaited, the placeholders taken off, and its tokens sampled
    (`Scheduler.sample_step`).
@@ -196,6 +197,8 @@ def _speculate(batch: list[ScheduledSeq], max_model_len: int) -> list[Sequence]:
     for item in batch:
         seq, request = item.seq, item.request
         if item.logits != "last" or seq.table is None or request.is_beam_search:
+            continue
+        if seq.grammar is not None:  # its next mask needs this token consumed first
             continue
         params = request.params
         if params.n > 1 and not request.prompt_done:  # this token forks the prompt into samples

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,7 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (`text_pieces`)
     token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     ahead: int = 0  # slots of its table that steps in flight (overlap) have not computed yet
+    grammar: Any = None  # structured output's matcher (an llguidance LLMatcher), in the sampler's process
 
     def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
         """Sample `index` of the same prompt, before any token is generated: shares the KV."""
@@ -62,6 +63,7 @@ class Sequence:
             index=index,
             detok=self.detok.fork() if self.detok is not None else None,
             token_logprobs=[] if self.token_logprobs is not None else None,
+            grammar=self.grammar.deep_copy() if self.grammar is not None else None,
         )
 
     def text_pieces(self, end: int | None = None) -> list[str]:

@@ -40,8 +40,10 @@ from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.kvstore.store import KVStore, StoredRun
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling.logits_processors import TokenMask
 from radixkv.sampling.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.sampling_params import sample_seed
+from radixkv.structured.masks import MaskFiller
 
 
 class StepOutcome(NamedTuple):
@@ -106,8 +108,11 @@ class Scheduler:
         max_model_len: int,
         policy: str,
         store: KVStore | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.kv = kv
+        self.vocab_size = vocab_size  # the logits' width, for structured output's token masks
+        self._masks: MaskFiller | None = None  # made when a structured request first runs
         self.store = store
         self.waits_for_store = False  # the last schedule skipped a request fetching from the store
         self.step_s = 0.0  # the last step's time, from schedule() to postprocess()
@@ -196,7 +201,21 @@ class Scheduler:
         if not preempted and budget > 0 and len(self.waiting) and self.num_running_seqs < self.max_num_seqs:
             budget = self._admit(batch, budget)
         self.waiting.age()
+        self._start_masks(batch)
         return batch
+
+    def _start_masks(self, batch: list[ScheduledSeq]) -> None:
+        """Starts filling the token masks of the structured sequences this step samples, to run
+        beside the forward pass (`radixkv.structured.masks`)."""
+        matchers = [
+            item.seq.grammar
+            for item in batch
+            if item.seq.grammar is not None and item.start_pos + len(item.token_ids) == len(item.seq.tokens)
+        ]
+        if matchers and self._masks is None:
+            self._masks = MaskFiller(self.vocab_size)
+        if self._masks is not None:
+            self._masks.start(matchers)
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
         for request in self.waiting.ordered():
@@ -317,6 +336,7 @@ class Scheduler:
         requests: list[Request] = []  # sampled: sequence j of `seqs` is request j's, from row `rows[j]`
         seqs: list[Sequence] = []
         rows: list[int] = []
+        grammars: list = []  # per sampled row, the matcher whose mask it takes (a fork: its parent's)
         beam_rows: dict[str, Request] = {}
         forked = False  # the sampled rows are not the logits in order
         row = 0
@@ -347,17 +367,19 @@ class Scheduler:
                     requests.append(request)
                     seqs.append(s)
                     rows.append(row)
+                    grammars.append(seq.grammar)
             else:
                 requests.append(request)
                 seqs.append(seq)
                 rows.append(row)
+                grammars.append(seq.grammar)
             row += 1
         failed: dict[str, tuple[Request, Exception]] = {}
         tokens: list[int | None] = []
         records: list[TokenLogprob | None] = []
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
-            tokens, records = self._sample(chosen, requests, seqs, failed)
+            tokens, records = self._sample(chosen, requests, seqs, failed, self._token_mask(grammars))
         return SampledStep(batch, requests, seqs, tokens, records, beam_rows, failed)
 
     def commit(self, sampled: SampledStep) -> StepOutcome:
@@ -374,7 +396,11 @@ class Scheduler:
         if seqs:
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
-                if token is None:  # its request failed
+                if token is None or request.request_id in failed:  # its request failed
+                    continue
+                if seq.grammar is not None and not seq.grammar.consume_token(token):
+                    error = ValueError(f"structured output rejected token {token}: {seq.grammar.get_error()}")
+                    failed[request.request_id] = (request, error)
                     continue
                 if record is not None:
                     seq.token_logprobs.append(record)
@@ -406,6 +432,7 @@ class Scheduler:
         requests: list[Request],
         seqs: list[Sequence],
         failed: dict[str, tuple[Request, Exception]],
+        mask: TokenMask | None = None,
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Row i's token and logprob record, batched. If the batch raises, each request's rows are
         sampled alone and a request whose own rows raise goes into `failed` (its tokens None), so
@@ -414,7 +441,7 @@ class Scheduler:
         params = [request.params for request in requests]
         generators = [seq.generator for seq in seqs]
         try:
-            tokens = sample(logits, params, generators, seqs, self.eos)
+            tokens = sample(logits, params, generators, seqs, self.eos, mask)
             return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
         except Exception:  # find the request at fault below
             pass
@@ -427,7 +454,8 @@ class Scheduler:
             try:
                 own = logits[rows]
                 own_params, own_seqs = [params[i] for i in rows], [seqs[i] for i in rows]
-                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos)
+                own_mask = _own_mask(mask, rows)
+                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos, own_mask)
                 records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
             except Exception as error:
                 failed[request_id] = (requests[rows[0]], error)
@@ -435,6 +463,14 @@ class Scheduler:
             for i, token, record in zip(rows, tokens.tolist(), records, strict=True):
                 out_tokens[i], out_records[i] = token, record
         return out_tokens, out_records
+
+    def _token_mask(self, grammars: list) -> TokenMask | None:
+        """The structured sampled rows' token mask, or None when no row is structured: the rows
+        the step's `_start_masks` filled, in row order."""
+        structured = [j for j, g in enumerate(grammars) if g is not None]
+        if not structured:
+            return None
+        return TokenMask(structured, self._masks.rows([grammars[j] for j in structured]))
 
     def _fork(self, seq: Sequence, k: int) -> Sequence:
         """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own
@@ -452,7 +488,13 @@ class Scheduler:
         if params.stop:  # only a stop string needs the text now; readers detokenize the rest
             seq.detok.push(tokens)
             stop_string = seq.detok.stopped
-        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
+        grammar_done = seq.grammar is not None and seq.grammar.is_stopped()
+        if (
+            token in params.stop_token_ids
+            or (token in self.eos and not params.ignore_eos)
+            or stop_string
+            or grammar_done
+        ):
             seq.finish_reason = "stop"
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
             seq.finish_reason = "length"
@@ -498,6 +540,17 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
+
+
+def _own_mask(mask: TokenMask | None, rows: list[int]) -> TokenMask | None:
+    """The part of `mask` for the sampled rows `rows`, renumbered as they are sampled alone."""
+    if mask is None:
+        return None
+    where = {row: j for j, row in enumerate(mask.rows)}
+    own = [(k, where[row]) for k, row in enumerate(rows) if row in where]
+    if not own:
+        return None
+    return TokenMask([k for k, _ in own], mask.bitmask[[j for _, j in own]])
 
 
 def _record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor) -> None:

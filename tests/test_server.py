@@ -395,7 +395,9 @@ BAD_CHAT = [
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"logprobs": 2}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
 ]
 
 

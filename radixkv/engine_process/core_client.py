@@ -16,6 +16,7 @@ flight and fail with EngineDeadError if the core dies meanwhile.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -54,6 +55,7 @@ from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.output_processor import result_of, stream_deltas
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.structured.grammar import GrammarCompiler
 
 STARTUP_TIMEOUT_S = 600.0  # building the core loads the model (and profiles memory on a GPU)
 CONTROL_TIMEOUT_S = 300.0  # a control call waits for the step in flight, however slow
@@ -145,6 +147,14 @@ class CoreClient:
                 code = self.process.returncode
                 raise RuntimeError(f"the engine core process exited with {code} while starting")
         raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler over the front end's tokenizer, for checking specs at the
+        door (`EngineCore.grammars`; the core compiles its own matchers)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # ------------------------------------------------------------- requests
 
