@@ -58,10 +58,11 @@ from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 from radixkv.structured.grammar import GrammarCompiler
 
 STORE_QUEUE_BYTES = 256 * 2**20
-STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
 
 
 class EngineCore:
+    STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible run to run
@@ -271,7 +272,7 @@ class EngineCore:
             try:
                 batch = self.scheduler.schedule()
                 while not batch and self.scheduler.waits_for_store:  # nothing else to do: wait
-                    self.store.wait(STORE_POLL_S)
+                    self.store.wait(self.STORE_POLL_S)
                     ended += self._drain()
                     batch = self.scheduler.schedule()
                 if batch:

@@ -37,16 +37,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from radixkv.model.step_worker import StepWorker
 from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
 from radixkv.scheduler.scheduler import SampledStep, ScheduledSeq
-
-if TYPE_CHECKING:
-    from radixkv.engine_core import EngineCore
 
 RESOLVED_IF_LOST = 0
 """The input token of a placeholder whose sequence's step failed: any vocabulary id serves, the
@@ -64,7 +61,7 @@ class OverlapStepper:
     """The overlapped `EngineCore.step` (see the module docstring). `in_flight` is the step the
     worker runs, if any; `settle` waits for it and drops its tokens (the engine is closing)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: Any) -> None:  # the EngineCore that owns it (which imports this module)
         self.core = core
         self.worker = StepWorker(core.runner.device)
         self.in_flight: InFlight | None = None
@@ -134,12 +131,10 @@ class OverlapStepper:
     def _schedule(self, ended: list[Request], idle: bool) -> list[ScheduledSeq]:
         """The next batch; with no step in flight, waits for the KV store as `EngineCore.step`
         does (the requests aborted meanwhile join `ended`)."""
-        from radixkv.engine_core import STORE_POLL_S  # the core imports this module
-
         core = self.core
         batch = core.scheduler.schedule()
         while idle and not batch and core.scheduler.waits_for_store:
-            core.store.wait(STORE_POLL_S)
+            core.store.wait(core.STORE_POLL_S)
             ended += core._drain()
             batch = core.scheduler.schedule()
         return batch
