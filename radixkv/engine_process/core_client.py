@@ -142,6 +142,8 @@ class CoreClient:
                 if isinstance(message, Ready):
                     return message
                 if isinstance(message, Fatal):
+                    if message.invalid:  # the config was refused: a ValueError naming it
+                        raise ValueError(message.invalid)
                     raise RuntimeError(f"the engine core failed to start:\n{message.message}")
             elif self.process.poll() is not None:
                 code = self.process.returncode

@@ -117,8 +117,8 @@ class CoreProcess:
             self.core = core = EngineCore(self.config)
             if setup is not None:
                 setup(core)
-        except BaseException:
-            self.send(Fatal(traceback.format_exc()))
+        except BaseException as e:
+            self.send(Fatal(traceback.format_exc(), str(e) if isinstance(e, ValueError) else ""))
             return 1
         core.on_update = self._on_update
         self.send(
