@@ -5,9 +5,17 @@ binds the model's attention to its paged cache; a test that wants transformers' 
 oracle takes `copy.deepcopy(loaded.model)` before building the runner, or uses the session-wide
 `reference_models` (never bound) with `model_folders` holding the same weights on disk. Weights
 use initializer range 0.3 so that greedy choices are not near-ties (see `radixkv.model.presets`).
+
+One torch thread, here and in every process the tests start (servers, engine cores, workers):
+the models are too small to gain from a second, and two threads that each wait for the other at
+every op's barrier run a tiny matmul several times slower when another process holds a core.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch: read when its thread pool starts
 
 from pathlib import Path
 
@@ -18,6 +26,8 @@ from transformers import LlamaConfig, MistralConfig, PretrainedConfig, PreTraine
 from radixkv import Engine
 from radixkv.model.loader import LoadedModel, build_random_model
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+
+torch.set_num_threads(1)  # torch may have been imported already (a plugin), its pool sized then
 
 TINY_SIZES = {
     "vocab_size": BYTE_VOCAB_SIZE,

@@ -166,15 +166,20 @@ _launcher: Launcher | None = None
 _launcher_lock = threading.Lock()
 
 
-def launch(core_args: bytes) -> CoreHandle:
-    """Starts a core through this process's launcher, starting the launcher first if it has none
-    alive (the first core, a launcher that died, or a forked front end)."""
+def start() -> Launcher:
+    """This process's launcher, started if it has none alive (the first core, a launcher that
+    died, or a forked front end). It returns at once: a caller about to import the engine itself
+    (`radixkv serve`) calls it first, so that both imports run side by side."""
     global _launcher
     with _launcher_lock:
         if _launcher is None or _launcher.owner != os.getpid() or not _launcher.alive():
             _launcher = Launcher()
-        launcher = _launcher
-    return launcher.launch(core_args)
+        return _launcher
+
+
+def launch(core_args: bytes) -> CoreHandle:
+    """Starts a core through this process's launcher (`start`)."""
+    return start().launch(core_args)
 
 
 # --------------------------------------------------------------- the launcher process

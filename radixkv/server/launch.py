@@ -114,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     keys = read_api_keys(args)
+    if not args.no_engine_process:
+        from radixkv.engine_process import launcher
+
+        launcher.start()  # it imports the engine while this process does
     import uvicorn
 
     from radixkv import AsyncEngine
