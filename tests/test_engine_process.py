@@ -252,6 +252,7 @@ def test_a_killed_core_fails_every_open_request_at_once(model_folders):
 # ------------------------------------------------------------------------ radixkv serve
 
 
+@pytest.mark.slow  # a server process of its own: beyond the fast tier's one smoke test
 def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
         launcher, core = launcher_and_core(proc.pid)
@@ -288,6 +289,7 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
     assert "the engine died" in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.slow  # a server process of its own: beyond the fast tier's one smoke test
 def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
         launcher, core = launcher_and_core(proc.pid)
@@ -298,6 +300,7 @@ def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
         wait_for(lambda: gone(core) and gone(launcher), 10, "the core or its launcher did not exit")
 
 
+@pytest.mark.slow  # a server process of its own: beyond the fast tier's one smoke test
 def test_a_core_whose_server_is_killed_exits_by_itself(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (_, proc):
         launcher, core = launcher_and_core(proc.pid)
