@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 POISON = 255
 """A prompt holding this token fails every step it is in."""
@@ -42,3 +43,17 @@ def write_surroundings(core) -> None:
     seen = {"cwd": os.getcwd(), "mark": os.environ.get("RADIXKV_TEST_MARK"), "pid": os.getpid()}
     with open("surroundings.json", "w") as f:
         json.dump(seen, f)
+
+
+SLOW_STEP_S = 0.5
+
+
+def slow_forward(core) -> None:
+    """Every forward takes at least `SLOW_STEP_S` (a long step, as a long prefill on a GPU)."""
+    real = core.runner.forward
+
+    def forward(batch):
+        time.sleep(SLOW_STEP_S)
+        return real(batch)
+
+    core.runner.forward = forward

@@ -252,6 +252,38 @@ def test_a_killed_core_fails_every_open_request_at_once(model_folders):
 # ------------------------------------------------------------------------ radixkv serve
 
 
+def test_metrics_wait_for_the_step_in_flight_without_holding_the_event_loop(model_folders):
+    """A scrape waits for the core's step in flight (half a second here); /health, asked after
+    it, answers before it: the scrape's wait is off the event loop."""
+    from core_faults import slow_forward
+
+    from radixkv.server.app import build_app
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW), core_setup=slow_forward)
+        app = build_app(engine, "tiny")
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=60) as http:
+                stream = engine.stream([1, 2, 3], LONG)
+                await asyncio.wait_for(anext(stream), 60)  # steps run back to back from here
+                order = []
+
+                async def get(path: str) -> None:
+                    assert (await http.get(path)).status_code == 200
+                    order.append(path)
+
+                scrape = asyncio.create_task(get("/metrics"))
+                await asyncio.sleep(0)  # the scrape is on its way to the core
+                await asyncio.wait_for(asyncio.gather(scrape, get("/health")), 60)
+                assert order == ["/health", "/metrics"]
+                await stream.aclose()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow  # a server process of its own: beyond the fast tier's one smoke test
 def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):

@@ -176,7 +176,9 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(), media_type=CONTENT_TYPE)
+        # In a thread: a core in its own process answers between steps, and a step may be long;
+        # the event loop keeps streaming and answering /health meanwhile.
+        return Response(await asyncio.to_thread(render_metrics), media_type=CONTENT_TYPE)
 
     return app
 
