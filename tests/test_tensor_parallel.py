@@ -9,6 +9,7 @@ small enough that the batches below preempt.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import random
@@ -24,7 +25,7 @@ from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
 
-from radixkv import BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
+from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
 from radixkv.cli import main
 from radixkv.errors import TensorParallelError
 from radixkv.model.loader import build_random_model
@@ -160,6 +161,50 @@ def test_abort_and_prefix_hits_match_one_rank(llama) -> None:
     assert run(two) == expected
     assert expected[1] == ["length", "abort", "length"]
     assert expected[2][-1] >= len(shared) - BLOCK  # the last prompt hits the shared prefix
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[1] == str(pid):
+                        found.append(int(entry))
+            except OSError:  # it exited while we looked
+                pass
+    return found
+
+
+def test_a_core_in_its_own_process_runs_two_ranks_and_stops_them(llama, model_folders) -> None:
+    """`AsyncEngine`'s core process owns the tensor-parallel workers: outputs equal the
+    single-rank engine's, and shutting down leaves neither the core nor a worker behind."""
+    one, _ = llama
+    batch = prompts(4, seed=8, low=10, high=20)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in one.generate(batch, params)]
+    config = EngineConfig(
+        model=str(model_folders["llama"]), block_size=BLOCK, device="cpu", kv_cache_memory=48 << 10,
+        tensor_parallel_size=2,
+    )
+
+    async def main() -> tuple[int, list[int]]:
+        engine = AsyncEngine(config)
+        try:
+            outs = await asyncio.gather(*(engine.generate(p, params) for p in batch))
+            assert [o.token_ids for o in outs] == expected
+            engine.check_invariants()
+            core = engine.core.pid
+            return core, children_of(core)
+        finally:
+            await engine.shutdown()
+
+    core, workers = asyncio.run(main())
+    assert workers, "the core started no worker process"
+    deadline = time.monotonic() + 30
+    while not all(gone(pid) for pid in [core, *workers]):
+        assert time.monotonic() < deadline, "the core or a worker outlived the shutdown"
+        time.sleep(0.05)
 
 
 def test_swap_preemption_through_the_host_tier_matches_one_rank(model_folders) -> None:
