@@ -18,6 +18,7 @@ from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.eviction import Adaptive, EvictionPolicy, make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.kv_groups import kv_groups, sliding_keep_from
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import TOKEN_BITS, salt_offset
 from radixkv.kvstore import KeySpace, StoredBlock, StoredRun
@@ -420,3 +421,139 @@ def test_random_operations_with_a_kv_store_keep_every_tokens_kv(block_size, seed
     h = StoreHarness(block_size, max(48, 600 // block_size), seed, policy)
     run(h, run_length(2000))
     assert h.cache.num_saved and h.fetched_tokens, "the store was not exercised"
+
+
+class GroupsHarness(AppendSlotHarness):
+    """KV groups (`radixkv.cache.kv_groups`): a global layer and three sliding ones, two with a
+    window wider than two blocks and one with a window inside a block. The naive reference
+    still bounds every match (a group may only cut it short), the fake KV of every group's
+    blocks must read back inside its window, and a sequence readmitted right after it was
+    cached must match whole: what the tree keeps of a path is at least the window before its
+    end, in every group (unless the path runs on past it: then the longer path's windows decide)."""
+
+    def __init__(self, block_size: int, num_blocks: int, seed: int, policy: str = "lru") -> None:
+        super().__init__(block_size, num_blocks, seed, policy, exact=False)
+        wide, narrow = 2 * block_size + 1, max(1, block_size // 2 + 1)
+        self.kv = KVCacheManager(self.pool, self.cache, groups=kv_groups((wide, None, narrow, wide)))
+        self.windows = self.kv.windows
+        assert self.windows == (wide, wide, narrow)  # groups of one layer, the widest first
+        self.resumed = 0
+        self.released = 0  # sliding blocks released from a live table
+
+    def grow(self, plan: list[tuple[int, int]]) -> None:
+        starts = [self.live[i][0].num_tokens for i, _ in plan]
+        for i, _ in plan:  # what `reserve` releases first, so that num_available stays exact
+            self.kv.release_windows(self.live[i][0])
+        super().grow(plan)
+        for (i, _), start in zip(plan, starts, strict=True):  # the groups' fake KV, as every layer
+            table, tokens = self.live[i]  # is written (nothing, when the reservation failed)
+            for blocks in table.extra:
+                for p in range(start, table.num_tokens):
+                    self.slots[blocks[p // self.B], p % self.B] = tokens[p]
+
+    def append(self, i: int, n: int) -> None:
+        table, tokens = self.live[i]
+        start = table.num_tokens
+        if n != 1 or self.rng.random() < 0.3 or not self.kv.append_slot(table):
+            return Harness.append(self, i, n)
+        while len(tokens) <= start:
+            tokens.append(self.rng.randrange(3))
+        for blocks in (table.blocks, *table.extra):
+            self.slots[blocks[start // self.B], start % self.B] = tokens[start]
+        self.fast += 1
+
+    def admit(self) -> None:
+        super().admit()  # exact=False: a group may cut the reference's match short, never lengthen it
+        self.released += sum(b == self.kv.null_block for e in self.live[-1][0].extra for b in e)
+
+    def operate(self) -> None:
+        if not self.live or self.rng.random() > 0.1:
+            return super().operate()
+        table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
+        computed, salt = table.num_tokens, self.salt_of.pop(table)
+        self.kv.cache_finished(table, tokens)
+        if not computed:
+            return
+        done = tokens[:computed]
+        # Where the tree's path runs on past the sequence, that longer path's windows decide.
+        longer = (q for s, q in self.reference if s == salt and len(q) > computed)
+        ends_here = not any(q[:computed] == done for q in longer)
+        self.reference.append((salt, done))
+        again = done + [self.rng.randrange(3)]
+        resumed = self.kv.admit(again, next(self.owners), salt=salt)
+        if ends_here:
+            assert resumed.num_tokens == computed, f"resumed at {resumed.num_tokens} of {computed} cached"
+            self.resumed += 1
+        self.salt_of[resumed] = salt
+        self.live.append((resumed, again))
+        self.append(len(self.live) - 1, 1)
+
+    def evict(self, n: int) -> None:
+        free_before = self.pool.num_free
+        freed = self.cache.evict(n)
+        assert self.pool.num_free == free_before + freed
+        # a position's blocks of every group go together: up to groups - 1 past n
+        assert n <= freed < n + len(self.windows) + 1 or (freed < n and self.cache.evictable_size == 0)
+
+    def check(self) -> None:
+        self.kv.run_transfers(self)
+        self.kv.check_invariants(t for t, _ in self.live)
+        null = self.kv.null_block
+        nodes = [n for n in self.cache.nodes() if n is not self.cache.root and not n.lock_ref]
+        unlocked = [b for n in nodes for b in n.blocks + [b for e in n.extra for b in e if b != null]]
+        only_cached = sum(self.pool.refcount(b) == 1 for b in unlocked)
+        assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
+        for table, tokens in self.live:
+            assert self.reads_back(tokens[: table.num_tokens], table.blocks), "group 0 KV corrupted"
+            for window, blocks in zip(self.windows, table.extra, strict=True):
+                lo = sliding_keep_from(table.num_tokens, window, self.B) * self.B
+                assert self.reads_back_from(lo, tokens[: table.num_tokens], blocks), "a group's KV corrupted"
+        for node in self.cache.nodes():
+            tokens = [t & TOKEN_MASK for t in node.tokens]
+            if node.blocks:
+                assert self.reads_back(tokens, node.blocks), f"cached KV of {node} corrupted"
+            for blocks in node.extra:
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        part = tokens[i * self.B : (i + 1) * self.B]
+                        assert self.reads_back(part, [b]), f"a group's cached KV of {node} corrupted"
+        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
+
+    def reads_back_from(self, lo: int, tokens: list[int], blocks: list[int]) -> bool:
+        pos = np.arange(lo, len(tokens))
+        ids = np.asarray(blocks, dtype=np.int64)[pos // self.B]
+        return np.array_equal(self.slots[ids, pos % self.B], np.asarray(tokens[lo:], dtype=np.int64))
+
+    def slot_usage_recount(self) -> tuple[int, int]:
+        filled: dict[int, int] = {}
+        null = self.kv.null_block
+        for node in self.cache.nodes():
+            for blocks in (node.blocks, *node.extra):
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        filled[b] = min(self.B, len(node.tokens) - i * self.B)
+        for table, _ in self.live:
+            for blocks in (table.blocks, *table.extra):
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        filled[b] = max(filled.get(b, 0), min(self.B, table.num_tokens - i * self.B))
+        return sum(filled.values()), (self.kv.pool.num_blocks - self.kv.pool.num_free - 1) * self.B
+
+
+@pytest.mark.parametrize(
+    ("block_size", "seed", "policy"),
+    [(1, 40, "lru"), (4, 41, "lru"), (8, 42, "adaptive"), (16, 43, "session")],
+)
+def test_random_operations_with_sliding_window_groups(block_size, seed, policy):
+    """Windows freed for running sequences and in the tree, with forks, copy-on-write, eviction
+    and OutOfBlocks throughout; no block leaks once every sequence is gone."""
+    h = GroupsHarness(block_size, num_blocks=max(64, 900 // block_size), seed=seed, policy=policy)
+    for _ in range(run_length(4000, least=600)):
+        h.step()
+        h.check()
+    copies = h.kv.num_cow_copies or block_size == 1  # one-token blocks are never written shared
+    assert h.resumed > 10 and h.released and copies and h.fast, "the groups went untested"
+    while h.live:
+        h.kv.release(h.live.pop()[0])
+    h.check()
+    assert h.pool.num_free + h.cache.evictable_size == h.pool.num_blocks - 1, "blocks leaked"
