@@ -38,6 +38,7 @@ from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget, parse_byt
 from radixkv.cache.eviction import make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
@@ -93,7 +94,12 @@ class EngineCore:
                 )
             self.max_model_len = config.max_model_len
         m = self.model
-        per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        self.groups = kv_groups(m.layer_windows)  # a block holds one group's layers
+        grouped = self.groups if self.groups.num_groups > 1 else None
+        if grouped is not None and (parallel is not None or config.kv_store is not None):
+            raise ValueError("sliding-window KV groups do not support tensor parallelism or a KV store yet")
+        layers = self.groups.layers_per_group
+        per_block = kv_block_bytes(layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
         profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
         budget = config.kv_cache_memory or profile(
             m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,7 +117,7 @@ class EngineCore:
         if config.enable_prefix_cache:
             keys = self.store.keyspace if self.store is not None else None
             cache = RadixCache(self.pool, make_policy(config.eviction), host, keys)
-        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
+        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode, grouped)
         num_host = host.pool.num_blocks if host else 0
         self.runner: ModelRunner | ParallelRunner
         if parallel is not None:  # CUDA graphs stay off: a captured step would hold the all-reduces
@@ -589,7 +595,13 @@ class EngineCore:
             raise ValueError(f"{field} {width} exceeds max_num_seqs {self.config.max_num_seqs}")
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         prompt_blocks = self.kv.blocks_for(len(ids))
-        need = prompt_blocks + width * (self.kv.blocks_for(total) - prompt_blocks + 1)
+        need = one = prompt_blocks + width * (self.kv.blocks_for(total) - prompt_blocks + 1)
+        for window in self.kv.windows:  # a sliding group: a prefill chunk's span, or each
+            if window is None:  # sequence's window while they decode
+                need += one
+            else:
+                chunk = self.kv.blocks_for(window + self.config.max_num_batched_tokens) + 1
+                need += min(one, max(chunk, width * (self.kv.blocks_for(window) + 2)))
         if need > self.pool.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks (prompt {len(ids)} tokens, max_tokens "

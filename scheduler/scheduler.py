@@ -69,6 +69,7 @@ class ScheduledSeq(SequenceChunk):
         end = start + num_tokens
         self.request, self.seq = request, seq
         self.token_ids, self.start_pos, self.block_table = seq.tokens[start:end], start, seq.table.blocks
+        self.group_tables = seq.table.extra
         self.logits = "last" if end == len(seq.tokens) else "none"
         if request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
             self.logits = "all"  # the prompt's logprobs: one row per token, the last maybe sampled

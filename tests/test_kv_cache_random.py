@@ -439,6 +439,7 @@ class GroupsHarness(AppendSlotHarness):
         assert self.windows == (wide, wide, narrow)  # groups of one layer, the widest first
         self.resumed = 0
         self.released = 0  # sliding blocks released from a live table
+        self.saw_stale = False
 
     def grow(self, plan: list[tuple[int, int]]) -> None:
         starts = [self.live[i][0].num_tokens for i, _ in plan]
@@ -501,6 +502,9 @@ class GroupsHarness(AppendSlotHarness):
         null = self.kv.null_block
         nodes = [n for n in self.cache.nodes() if n is not self.cache.root and not n.lock_ref]
         unlocked = [b for n in nodes for b in n.blocks + [b for e in n.extra for b in e if b != null]]
+        self.saw_stale |= bool(self.cache.stale)
+        # stale group blocks of locked nodes too (the tree releases them first)
+        unlocked += [b for b in self.cache.stale if self.cache._node_of[b].lock_ref]
         only_cached = sum(self.pool.refcount(b) == 1 for b in unlocked)
         assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
         for table, tokens in self.live:
@@ -551,9 +555,11 @@ def test_random_operations_with_sliding_window_groups(block_size, seed, policy):
     for _ in range(run_length(4000, least=600)):
         h.step()
         h.check()
+    assert h.saw_stale, "no group block went stale"
     copies = h.kv.num_cow_copies or block_size == 1  # one-token blocks are never written shared
     assert h.resumed > 10 and h.released and copies and h.fast, "the groups went untested"
     while h.live:
         h.kv.release(h.live.pop()[0])
     h.check()
-    assert h.pool.num_free + h.cache.evictable_size == h.pool.num_blocks - 1, "blocks leaked"
+    cached = h.cache.evictable_size + len(h.cache.stale)
+    assert h.pool.num_free + cached == h.pool.num_blocks - 1, "blocks leaked"

@@ -17,6 +17,7 @@ from test_beam_search import search_all, transformers_beams
 from test_engine import no_leaks, transformers_greedy
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
+from radixkv.cache.kv_groups import kv_groups
 from radixkv.model.loader import LoadedModel, layer_windows, load_model
 from radixkv.model.presets import PRESETS, SLIDING_WINDOW
 from radixkv.model.runner import ModelRunner, SequenceChunk, kv_block_bytes
@@ -70,14 +71,17 @@ def test_presets_window_the_layers_transformers_windows() -> None:
 def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str) -> None:
     """Two runner steps: 45 tokens, then 12 more over the cached 45 on shuffled blocks; every row's
     logits equal transformers' forward over the whole 57, within float noise (the experts amplify it:
-    transformers' own sdpa and eager attention differ by up to 8e-4 on tiny-mixtral)."""
+    transformers' own sdpa and eager attention differ by up to 8e-4 on tiny-mixtral). Each KV group
+    (`radixkv.cache.kv_groups`) has its own shuffled blocks."""
     loaded = oracle(name)
     reference = load_model(name, dtype="float32", device="cpu").model
-    runner = ModelRunner(loaded, num_blocks=20, block_size=4)
+    groups = kv_groups(loaded.layer_windows).num_groups
+    runner = ModelRunner(loaded, num_blocks=20 * groups, block_size=4)
     ids = tokens(57, seed=5)
-    table = random.Random(0).sample(range(20), 15)
-    first = runner.forward([SequenceChunk(ids[:45], 0, table[:12], logits="all")])
-    second = runner.forward([SequenceChunk(ids[45:], 45, table, logits="all")])
+    shuffled = random.Random(0).sample(range(20 * groups), 15 * groups)
+    table, others = shuffled[:15], [shuffled[15 * g : 15 * g + 15] for g in range(1, groups)]
+    first = runner.forward([SequenceChunk(ids[:45], 0, table[:12], "all", [t[:12] for t in others])])
+    second = runner.forward([SequenceChunk(ids[45:], 45, table, "all", others)])
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(torch.cat([first, second]), expected, atol=4e-3, rtol=0)

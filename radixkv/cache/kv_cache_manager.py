@@ -153,7 +153,8 @@ class KVCacheManager:
         """Blocks that allocation plus eviction can deliver now, exactly: the free ones, and the
         evictable cached ones that nothing else references. A cached block of an unlocked node
         can still be referenced beyond the locked path of a live table (a partly matched last
-        block, a fork's shared tail) or by a pending copy; evicting it frees nothing."""
+        block, a fork's shared tail) or by a pending copy; evicting it frees nothing. Stale
+        group blocks (`RadixCache.stale`) count as evictable, locked or not."""
         if self.cache is None:
             return self.pool.num_free
         evictable = self.cache.evictable_block
@@ -162,9 +163,9 @@ class KVCacheManager:
             for t in tables:
                 locked = t.node.end // self.block_size if t.node is not None else 0
                 pinned.update(b for b in t.blocks[locked:] if evictable(b))
-                for blocks in t.extra:
-                    pinned.update(b for b in blocks[locked:] if evictable(b))
-        return self.pool.num_free + self.cache.evictable_size - len(pinned)
+                for blocks in t.extra:  # a stale group block may lie inside the locked path too
+                    pinned.update(b for b in blocks if evictable(b))
+        return self.pool.num_free + self.cache.evictable_size + len(self.cache.stale) - len(pinned)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -182,14 +182,21 @@ class RadixCache:
         self.partial_blocks: dict[int, int] = {}
         self.windows: tuple[int | None, ...] = ()  # KV groups 1..: their windows (set_groups)
         self.null_block = -1
+        # Group blocks out of every window of their path's end, oldest first: cached still (a
+        # match may read them), released before anything else is evicted (set_groups).
+        self.stale: dict[int, None] = {}
 
     def set_groups(self, windows: tuple[int | None, ...], null_block: int) -> None:
         """Caches KV groups 1.. (`radixkv.cache.kv_groups`) beside group 0, whose residency and
         eviction every node follows: `node.extra[g - 1]` is group g's blocks of the node, as many
-        as `node.blocks`, `null_block` where released. A sliding group (window w) keeps, along
+        as `node.blocks`, `null_block` where released. A sliding group (window w) needs, along
         each path, only the blocks a match at the end of the path reads: after an insert of n
-        tokens, the blocks wholly before n - w are released up the path while no other branch
-        could read them (up to the first node with another child). A match never checks the
+        tokens, the blocks wholly before n - w become stale up the path while no other branch
+        ends there (up to the first node with another child). A stale block stays cached, so a
+        match inside the path (a shared system prompt, say) still finds it, but it counts as
+        free: `evict` releases stale blocks first, oldest first, and only then whole leaves
+        (`stale`, `num_stale`), as a sliding block freed by vLLM stays cached until reused. An
+        insert whose window needs a stale block makes it live again. A match never checks the
         groups itself: the caller cuts it to where every window is held
         (`KVCacheManager.admit`). No host tier or KV store yet: their transfers move group 0."""
         if self.host is not None or self.store_keys is not None:
@@ -400,7 +407,7 @@ class RadixCache:
         that a live sequence still references loses only the cache's reference and is not
         counted. With a host tier the evicted blocks' KV moves to the host (when the node has no
         host copy yet) and the node stays in the tree."""
-        freed = 0
+        freed = self._release_stale(num_blocks) if self.stale else 0
         while freed < num_blocks and self._leaves:
             self.policy.arrange(self._leaves, self._refresh)
             leaf = self._leaves[0]
@@ -424,11 +431,10 @@ class RadixCache:
             self.evictable_size -= take
             self.num_evicted += take
             for e in leaf.extra:
-                for block in e[keep:]:
-                    if block != self.null_block:
-                        freed += self.pool.decref(block)
-                        del self._node_of[block]
-                        self.evictable_size -= 1
+                for i in range(len(e) - 1, keep - 1, -1):
+                    block = e[i]
+                    freed += block != self.null_block and self.pool.refcount(block) == 1
+                    self._drop(leaf, e, i)
                 del e[keep:]
             if keep:
                 del leaf.blocks[keep:]
@@ -491,9 +497,9 @@ class RadixCache:
     # ----------------------------------------------------------- inspection
 
     def evictable_block(self, block: int) -> bool:
-        """Whether `block` is cached in an unlocked node (eviction may take it)."""
+        """Whether `block` is cached in an unlocked node, or stale (eviction may take it)."""
         node = self._node_of.get(block)
-        return node is not None and node.lock_ref == 0
+        return node is not None and (node.lock_ref == 0 or block in self.stale)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -585,16 +591,19 @@ class RadixCache:
                 for e in node.extra:
                     if e[-1] != self.null_block:
                         partial[e[-1]] = len(node.tokens) % B
+            live = len(node.blocks) + sum(b not in self.stale for b in group_blocks)
             if node.lock_ref:
-                protected += len(node.blocks) + len(group_blocks)
+                protected += live
             else:
-                evictable += len(node.blocks) + len(group_blocks)
+                evictable += live
             if self._device_evictable(node):
                 leaves.add(node.id)
             if self.host is not None and self._host_evictable(node):
                 host_nodes.add(node.id)
         if len(self._node_of) != len(seen):
             raise InvariantError("the block map holds blocks no node has")
+        if any(b not in seen or self._node_of[b].blocks.count(b) for b in self.stale):
+            raise InvariantError("a stale block is no cached group block")
         for node in self.nodes():
             if sum(len(v) for v in node.by_first.values()) != len(node.children):
                 raise InvariantError(f"{node} index")
@@ -817,9 +826,9 @@ class RadixCache:
     # ------------------------------------------------------------ KV groups
 
     def _held(self, node: RadixNode) -> int:
-        """Device blocks `node` holds in every group."""
-        null = self.null_block
-        return len(node.blocks) + sum(b != null for e in node.extra for b in e)
+        """Device blocks `node` holds in every group, but stale ones."""
+        null, stale = self.null_block, self.stale
+        return len(node.blocks) + sum(b != null and b not in stale for e in node.extra for b in e)
 
     def _hold(self, node: RadixNode, block: int) -> None:
         """`node` takes a reference on a group block it lists now."""
@@ -839,10 +848,44 @@ class RadixCache:
         self.pool.decref(b)
         del self._node_of[b]
         self.partial_blocks.pop(b, None)
-        if node.lock_ref:
+        if b in self.stale:
+            del self.stale[b]
+        elif node.lock_ref:
             self.protected_size -= 1
         else:
             self.evictable_size -= 1
+
+    def _make_stale(self, node: RadixNode, block: int) -> None:
+        if block != self.null_block and block not in self.stale:
+            self.stale[block] = None
+            if node.lock_ref:
+                self.protected_size -= 1
+            else:
+                self.evictable_size -= 1
+
+    def _make_live(self, node: RadixNode, block: int) -> None:
+        if block in self.stale:
+            del self.stale[block]
+            if node.lock_ref:
+                self.protected_size += 1
+            else:
+                self.evictable_size += 1
+
+    @property
+    def num_stale(self) -> int:
+        """Stale group blocks only the tree references: what releasing them all would free."""
+        return sum(self.pool.refcount(b) == 1 for b in self.stale)
+
+    def _release_stale(self, num_blocks: int) -> int:
+        """Releases stale group blocks, oldest first, until `num_blocks` are freed; returns those freed."""
+        freed = 0
+        while freed < num_blocks and self.stale:
+            block = next(iter(self.stale))
+            node = self._node_of[block]
+            blocks, i = next((e, e.index(block)) for e in node.extra if block in e)
+            freed += self.pool.refcount(block) == 1
+            self._drop(node, blocks, i)
+        return freed
 
     def _fill_and_slide(self, tokens: list[int], extra: list[list[int]] | tuple[list[int], ...]) -> None:
         """After inserting `tokens` with group blocks `extra`: along the path, where a sliding
@@ -876,18 +919,21 @@ class RadixCache:
                     if mine[i] == null and theirs[base + i] != null:
                         self._hold(x, theirs[base + i])
                         mine[i] = theirs[base + i]
+                    else:
+                        self._make_live(x, mine[i])
             self._note_partial(x)
         for depth, x in enumerate(path):  # slide: up the path while it has no other branch
             if depth and len(x.children) != 1:
                 break
             base = x.start // B
+            fresh = False
             for mine, k in zip(x.extra, keep, strict=True):
                 if k is not None:
                     for i in range(min(k - base, len(mine))):
-                        self._drop(x, mine, i)
-            released = zip(x.extra, keep, strict=True)
-            if depth and all(b == null for mine, k in released if k is not None for b in mine):
-                break  # released whole: the path above was released by earlier inserts
+                        fresh |= mine[i] != null and mine[i] not in self.stale
+                        self._make_stale(x, mine[i])
+            if depth and not fresh and all(b == null or b in self.stale for e in x.extra for b in e):
+                break  # stale whole already: the path above was made stale by earlier inserts
 
     def _note_partial(self, node: RadixNode) -> None:
         filled = len(node.tokens) % self.block_size
