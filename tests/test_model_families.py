@@ -32,14 +32,16 @@ def oracle(name: str) -> LoadedModel:
     return load_model(name, dtype="float32", device="cpu")
 
 
-def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4) -> Engine:
-    """The preset in an engine with `num_blocks` KV blocks (roomy when None), invariants checked each step."""
+def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4, **config: object) -> Engine:
+    """The preset in an engine with `num_blocks` KV blocks (roomy when None), invariants checked each
+    step. With KV groups (`radixkv.cache.kv_groups`) a block holds one group's layers."""
     loaded = oracle(name)
-    block = kv_block_bytes(loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, torch.float32)
+    layers = kv_groups(loaded.layer_windows).layers_per_group
+    block = kv_block_bytes(layers, block_size, loaded.num_kv_heads, loaded.head_dim, torch.float32)
     engine = Engine(
         EngineConfig(
             model=name, dtype="float32", device="cpu", block_size=block_size,
-            kv_cache_memory=block * (num_blocks or 1024),
+            kv_cache_memory=block * (num_blocks or 1024), **config,
         )
     )
     engine.step_hooks.append(Engine.check_invariants)
@@ -108,12 +110,18 @@ def test_greedy_past_the_window_with_a_prefix_hit_equals_transformers(name: str)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_long_greedy_with_prefix_hits_and_preemption_equals_transformers(name: str) -> None:
     """Two ~200-token prompts sharing 120 tokens, then 64 tokens each (twice the window), on blocks for
-    one and a half of them: the second hits the first's prefix, and one of them is preempted."""
+    one and a half of them: the second hits the first's prefix, and one of them is preempted. With KV
+    groups the sliding layers hold only their windows, so the pool is smaller and prefill chunks of
+    32 tokens keep one request's peak under it."""
     model = oracle(name).model
     shared = tokens(120, seed=3)
     prompts = [shared + tokens(80 + 7 * i, seed=4 + i) for i in range(2)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    engine = engine_for(name, num_blocks=90)
+    grouped = {"tiny-gemma2": 100, "tiny-gemma3": 180}
+    if name in grouped:
+        engine = engine_for(name, num_blocks=grouped[name], max_num_batched_tokens=32)
+    else:
+        engine = engine_for(name, num_blocks=90)
     first = engine.add_request(prompts[0], params)
     engine.step()  # the first prompt's blocks are in the tree before the second arrives
     second = engine.add_request(prompts[1], params)

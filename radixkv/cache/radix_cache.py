@@ -196,7 +196,9 @@ class RadixCache:
         match inside the path (a shared system prompt, say) still finds it, but it counts as
         free: `evict` releases stale blocks first, oldest first, and only then whole leaves
         (`stale`, `num_stale`), as a sliding block freed by vLLM stays cached until reused. An
-        insert whose window needs a stale block makes it live again. A match never checks the
+        insert whose window needs a stale block makes it live again. Locking a node makes its
+        group blocks stale too: the tables that lock it hold the ones they read, so a locked
+        path never keeps the pool from them. A match never checks the
         groups itself: the caller cuts it to where every window is held
         (`KVCacheManager.admit`). No host tier or KV store yet: their transfers move group 0."""
         if self.host is not None or self.store_keys is not None:
@@ -382,6 +384,9 @@ class RadixCache:
         while node is not self.root:
             if node.lock_ref == 0:
                 self._detach(node)
+                for e in node.extra:  # the lockers hold the group blocks they read themselves
+                    for b in e:
+                        self._make_stale(node, b)
                 held = self._held(node) if node.extra else len(node.blocks)
                 self.evictable_size -= held
                 self.protected_size += held
