@@ -882,14 +882,17 @@ class RadixCache:
         return sum(self.pool.refcount(b) == 1 for b in self.stale)
 
     def _release_stale(self, num_blocks: int) -> int:
-        """Releases stale group blocks, oldest first, until `num_blocks` are freed; returns those freed."""
+        """Releases stale group blocks, oldest first, until `num_blocks` are freed; returns those
+        freed. One a table also holds stays: releasing it would free nothing and lose the hit."""
         freed = 0
-        while freed < num_blocks and self.stale:
-            block = next(iter(self.stale))
-            node = self._node_of[block]
-            blocks, i = next((e, e.index(block)) for e in node.extra if block in e)
-            freed += self.pool.refcount(block) == 1
-            self._drop(node, blocks, i)
+        for block in list(self.stale):
+            if freed >= num_blocks:
+                break
+            if self.pool.refcount(block) == 1:
+                node = self._node_of[block]
+                blocks, i = next((e, e.index(block)) for e in node.extra if block in e)
+                self._drop(node, blocks, i)
+                freed += 1
         return freed
 
     def _fill_and_slide(self, tokens: list[int], extra: list[list[int]] | tuple[list[int], ...]) -> None:
