@@ -111,19 +111,25 @@ def test_greedy_past_the_window_with_a_prefix_hit_equals_transformers(name: str)
 def test_long_greedy_with_prefix_hits_and_preemption_equals_transformers(name: str) -> None:
     """Two ~200-token prompts sharing 120 tokens, then 64 tokens each (twice the window), on blocks for
     one and a half of them: the second hits the first's prefix, and one of them is preempted. With KV
-    groups the sliding layers hold only their windows, so the pool is smaller and prefill chunks of
-    32 tokens keep one request's peak under it."""
+    groups the sliding layers hold only their windows, so the pool is smaller and prefill chunks
+    keep one request's peak under it."""
     model = oracle(name).model
     shared = tokens(120, seed=3)
     prompts = [shared + tokens(80 + 7 * i, seed=4 + i) for i in range(2)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    grouped = {"tiny-gemma2": 100, "tiny-gemma3": 180}
+    grouped = {"tiny-gemma2": (100, 32), "tiny-gemma3": (200, 64)}
     if name in grouped:
-        engine = engine_for(name, num_blocks=grouped[name], max_num_batched_tokens=32)
+        pool, chunk = grouped[name]
+        engine = engine_for(name, num_blocks=pool, max_num_batched_tokens=chunk)
     else:
         engine = engine_for(name, num_blocks=90)
     first = engine.add_request(prompts[0], params)
-    engine.step()  # the first prompt's blocks are in the tree before the second arrives
+    for _ in range(10):  # the shared prefix is in the tree before the second arrives
+        engine.step()
+        if engine.kv.cached_prefix_len(prompts[0]) >= len(shared):
+            break
+    else:
+        raise AssertionError("the first prompt's shared prefix was never cached")
     second = engine.add_request(prompts[1], params)
     engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
     outs = [engine.output(first), engine.output(second)]

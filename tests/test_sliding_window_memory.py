@@ -108,8 +108,12 @@ def test_samples_past_the_window_with_prefix_hits_copy_on_write_and_preemption_e
     params = SamplingParams(n=2, max_tokens=48, temperature=0.0, ignore_eos=True)
     engine = gemma3_engine(num_blocks=240, max_num_batched_tokens=64)
     first = engine.add_request(prompts[0], params)
-    for _ in range(4):  # the first prompt's blocks are in the tree before the second arrives
+    for _ in range(10):  # the shared prefix is in the tree before the second arrives
         engine.step()
+        if engine.kv.cached_prefix_len(prompts[0]) >= len(shared):
+            break
+    else:
+        raise AssertionError("the first prompt's shared prefix was never cached")
     second = engine.add_request(prompts[1], params)
     engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
     outs = [engine.output(first), engine.output(second)]
