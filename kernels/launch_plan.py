@@ -8,9 +8,10 @@ Two machines with opposite costs:
   against 14 ns through 3-D ones) and about 1 ns per element for each elementwise pass. So the
   interpreter plan uses few programs and tiles as large as Triton allows (2**20 elements): one
   program covers many sequences and all query heads of a KV head, and gathers through 1-D pointers.
-- A GPU wants enough programs to fill its SMs and tiles that fit registers: 16 or 32 query rows
-  and 32 to 64 keys per step, one item per program, and split-KV (several programs per item, each
-  on a range of keys, merged by a second kernel) when a decode batch is too small to fill the SMs.
+- A GPU wants enough programs to fill its SMs and tiles that fit registers: one item per program,
+  16 query rows for a decode and split-KV (several programs per item, each on a range of keys,
+  merged by a second kernel) when a decode batch is too small to fill the SMs; for prefill and
+  extend the tile of `PREFILL_TILES`, by compute capability and head size.
 """
 
 import functools
@@ -53,6 +54,58 @@ class AttentionPlan:
     flat_loads: bool
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTile:
+    """A GPU prefill/extend tile: `rows` query rows (new tokens x the query heads of one KV head)
+    by `block_n` keys a step, compiled with `num_warps` warps and `num_stages` stages of K/V tiles
+    in flight (Triton pipelines the key loop's block-table gathers into shared memory)."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+PREFILL_TILES: dict[int, dict[int, PrefillTile]] = {
+    # compute capability major -> padded head size (at most) -> tile. The accumulator is
+    # rows x head fp32 spread over the warps' threads: 128 x 128 over 8 warps is 64 registers a
+    # thread, as FlashAttention-2 sizes it; a head of 256 halves the rows. Hopper and Ampere keep
+    # 3 stages of 64-key K and V tiles (plus the Q tile) within their shared memory.
+    9: {
+        64: PrefillTile(128, 64, 4, 3),
+        128: PrefillTile(128, 64, 8, 3),
+        256: PrefillTile(64, 32, 8, 2),
+    },
+    8: {
+        64: PrefillTile(128, 64, 4, 3),
+        128: PrefillTile(64, 64, 4, 3),
+        256: PrefillTile(64, 32, 8, 2),
+    },
+}
+FALLBACK_PREFILL_TILE = PrefillTile(32, 64, 4, 2)
+"""Older or unknown devices, and heads over 256 (the first plan measured: a 2 x 2,048 prefill in 1.8 ms
+on an H200 with 32 rows, against 40 ms at 64 rows on 4 warps, before stages and warps were tuned)."""
+SHARED_MEMORY_BYTES = {9: 227 * 1024, 8: 99 * 1024}
+"""Shared memory a program may use: Hopper's 227 KiB; for sm 8.x the 99 KiB of sm86/sm89 (the
+A100's sm80 has 163 KiB: the smaller bound holds on both)."""
+
+
+def prefill_tile(capability: tuple[int, int], head_dim: int, itemsize: int = 4) -> PrefillTile:
+    """The prefill/extend tile for a device of compute `capability` and a head size: the table's
+    entry for the smallest padded head size that holds it, with fewer stages (down to 1) where
+    Q plus the stages of K and V, of `itemsize`-byte elements, would pass the shared memory (an
+    estimate: the compiler's scratch comes on top)."""
+    head = padded_head_dim(head_dim)
+    by_head = PREFILL_TILES.get(capability[0], {})
+    fitting = [h for h in sorted(by_head) if h >= head]
+    tile = by_head[fitting[0]] if fitting else FALLBACK_PREFILL_TILE
+    limit = SHARED_MEMORY_BYTES.get(capability[0], 48 * 1024)
+    stages = tile.num_stages
+    while stages > 1 and (tile.rows + stages * 2 * tile.block_n) * head * itemsize > limit:
+        stages -= 1
+    return PrefillTile(tile.rows, tile.block_n, tile.num_warps, stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +156,15 @@ def plan_attention_interpreted(
 
 def plan_attention_gpu(
     device: torch.device, num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
-    max_kv_len: int,
+    max_kv_len: int, itemsize: int = 4,
 ) -> AttentionPlan:
-    """GPU plan from host-known sizes only (no device sync); `max_kv_len` is the block table's capacity.
+    """GPU plan from host-known sizes only (no device sync); `max_kv_len` is the block table's capacity,
+    `itemsize` the bytes of a K/V element (default float32's, the most shared memory).
 
-    Rows per item: 16 (tl.dot's smallest M) when every sequence has one new token, else 32. A batch
+    Rows per item: 16 (tl.dot's smallest M) when every sequence has one new token, else the
+    `prefill_tile` of the device and head size (rows, keys a step, warps, stages), its rows no
+    more than the longest run of new tokens needs. Each item's key loop ends at its last query
+    row's position (the kernel's `kv_end`), so no key block wholly above the diagonal is read. A batch
     with fewer items than SMs splits each item's keys into up to 16 ranges of 512 keys or more.
     An unsplit decode runs 2 warps a program: more programs resident per SM keep more K/V loads in
     flight. Measured on an H200 (bf16, 32 query / 8 KV heads of 128, 64 keys a step): decodes of
@@ -118,8 +175,11 @@ def plan_attention_gpu(
     """
     group_p = padded_group(group)
     decode = num_tokens == num_seqs
-    block_q = max(1, (16 if decode else 32) // group_p)
-    block_n = 64 if padded_head_dim(head_dim) <= 128 else 32
+    if decode:
+        block_q, block_n, stages = max(1, 16 // group_p), 64 if padded_head_dim(head_dim) <= 128 else 32, 3
+    else:
+        tile = prefill_tile(_capability(device), head_dim, itemsize)
+        block_q, block_n, stages = max(1, tile.rows // group_p), tile.block_n, tile.num_stages
     items = max_tiles(num_tokens, num_seqs, block_q) * num_kv_heads
     num_splits = 1
     while (
@@ -128,8 +188,9 @@ def plan_attention_gpu(
         and max_kv_len >= 2 * num_splits * GPU_MIN_KEYS_PER_SPLIT
     ):
         num_splits *= 2
-    num_warps = 2 if decode and num_splits == 1 else 4
-    return AttentionPlan(block_q, 1, block_n, num_splits, flat_loads=False, num_warps=num_warps)
+    num_warps = (2 if num_splits == 1 else 4) if decode else tile.num_warps
+    return AttentionPlan(block_q, 1, block_n, num_splits, flat_loads=False, num_warps=num_warps,
+                         num_stages=stages)
 
 
 def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -156,3 +217,8 @@ def plan_copy(num_rows: int, row_len: int, interpreted: bool) -> CopyPlan:
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)

@@ -205,12 +205,17 @@ def plan_paged_attention(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
+    itemsize: int = 4,
 ) -> AttentionLaunches:
-    """Plan the launches for a batch (arguments as in `paged_attention`; `num_tokens` is q's length).
+    """Plan the launches for a batch (arguments as in `paged_attention`; `num_tokens` is q's length,
+    `itemsize` the bytes of a cache element, which bounds a GPU prefill tile's stages).
 
-    On a GPU one launch, planned from shapes only, its tile map computed on the device: no sync, and
-    capturable in a CUDA graph. Under the interpreter one or two launches, planned from the lengths
-    read on the host (free there; see _interpreter_launches).
+    On a GPU, planned from shapes only, the tile maps computed on the device (no sync, capturable
+    in a CUDA graph): a decode batch is one launch; any other is two, the decode plan over its
+    sequences with one new token and the prefill plan (`prefill_tile`) over the rest, so that
+    a decode beside a prefill does not fill a prefill tile's rows with one token. Under the
+    interpreter one or two launches, planned from the lengths read on the host (free there; see
+    _interpreter_launches).
     """
     device = seq_lens.device
     interp = interpreted(device)
@@ -222,9 +227,16 @@ def plan_paged_attention(
     else:
         num_seqs = seq_lens.shape[0]
         capacity = block_table.shape[1] * block_size
-        plan = plan_attention_gpu(device, num_tokens, num_seqs, num_kv_heads, group, head_dim, capacity)
-        num_tiles = max_tiles(num_tokens, num_seqs, plan.block_q)
-        launches.append((plan, *_tile_map(query_start_loc, seq_lens, None, plan.block_q, num_tiles)))
+        shape = (num_kv_heads, group, head_dim, capacity, itemsize)
+        decode = plan_attention_gpu(device, num_seqs, num_seqs, *shape)
+        if num_tokens == num_seqs:
+            launches.append((decode, *_tile_map(query_start_loc, seq_lens, None, decode.block_q, num_seqs)))
+        else:
+            prefill = plan_attention_gpu(device, num_tokens, num_seqs, *shape)
+            one = (query_start_loc[1:] - query_start_loc[:-1]) == 1
+            num_tiles = max_tiles(num_tokens, num_seqs, prefill.block_q)
+            for plan, seqs, tiles in ((decode, one, num_seqs), (prefill, ~one, num_tiles)):
+                launches.append((plan, *_tile_map(query_start_loc, seq_lens, seqs, plan.block_q, tiles)))
     return AttentionLaunches(tuple(launches), num_heads, num_kv_heads, head_dim, interp)
 
 
@@ -274,6 +286,7 @@ def paged_attention(
         launches = plan_paged_attention(
             query_start_loc, seq_lens, block_table, num_tokens=num_tokens, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=k_cache.shape[1],
+            itemsize=k_cache.element_size(),
         )
     elif (launches.num_heads, launches.num_kv_heads, launches.head_dim) != shapes:
         raise ValueError(

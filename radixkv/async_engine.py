@@ -1,6 +1,16 @@
-"""The asyncio engine: one background thread steps the shared `EngineCore`; coroutines submit.
+"""The asyncio engine: coroutines submit; the engine core steps in a process of its own (the
+default) or in a background thread of this one.
 
-Threading model. The loop thread sleeps on an event while there is no work (no CPU used when
+Where the core runs. By default (`engine_process=True`) the core lives in a child process
+(`radixkv.engine_process`): this process validates, tokenizes, detokenizes and streams, and the
+step never waits for that work's interpreter lock. A reader thread receives each step's news and
+hands it on exactly as the loop thread below does, so everything else here is the same in both
+modes. If the core process dies, every open request fails at once with a `RequestError`
+(caused by `EngineDeadError`) and `is_alive()` turns False. `engine_process=False` keeps the
+core in this process, stepped by a loop thread, for debugging and for tests that reach into it
+(`core` is then the `EngineCore` itself).
+
+Threading model (in process). The loop thread sleeps on an event while there is no work (no CPU used when
 idle) and wakes when a request or an abort is queued. It steps while there is work; requests
 submitted meanwhile join the next step, and a submitter never waits for the step in flight
 (validation runs in the caller, the core's inbox is lock-free for it). Each request has a
@@ -19,19 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
 from radixkv.engine_core import EngineCore, Prompt
+from radixkv.engine_process.core_client import CoreClient
+from radixkv.engine_process.core_process import step_watching_stalls
 from radixkv.errors import EngineDeadError, RequestError
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
-
-_IDLE_STEPS_BEFORE_STALL = 3  # steps in a row that run nothing while requests wait
 
 
 @dataclass(eq=False)
@@ -57,27 +67,53 @@ class _Progress:
 
 
 class AsyncEngine:
-    """`AsyncEngine(config)`. `tokenizer`, `max_model_len`, `config`, `eos_token_ids` and
-    `vocab_size` are the model's as served; `core` is the shared `EngineCore`."""
+    """`AsyncEngine(config, engine_process=True, core_setup=None)`. `tokenizer`,
+    `max_model_len`, `config`, `eos_token_ids` and `vocab_size` are the model's as served.
+    `engine_process` runs the core in a child process (module docstring); `core` is then its
+    `CoreClient`, else the `EngineCore`. `core_setup(core)`, if given, runs on the `EngineCore`
+    once it is built, in whichever process holds it (picklable for a child: a benchmark's stub)."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.core = EngineCore(config)
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine_process: bool = True,
+        core_setup: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.engine_process = engine_process
+        self._handles: dict[str, _Handle] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._fatal: BaseException | None = None
+        self.core: Any
+        if engine_process:
+            self.core = CoreClient(config, core_setup)
+            self.core.on_dead = self._fail_all
+            self._thread = self.core.reader
+        else:
+            self.core = EngineCore(config)
+            if core_setup is not None:
+                core_setup(self.core)
+            self.core.on_submit = self._wake.set
+            self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
+        self.core.on_update = self._dispatch
         self.config = self.core.config
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = self.core.eos_token_ids
         self.vocab_size = self.core.vocab_size
-        self._handles: dict[str, _Handle] = {}
-        self._wake = threading.Event()
-        self._stopping = False
-        self._fatal: BaseException | None = None
-        self.core.on_submit = self._wake.set
-        self.core.on_update = self._dispatch
-        self._thread = threading.Thread(target=self._run, name="radixkv-engine-loop", daemon=True)
-        self._thread.start()
+        if not engine_process:
+            self._thread.start()
+
+    @property
+    def grammars(self) -> Any:
+        """Structured output's compiler (`EngineCore.grammars`), for checking specs ahead."""
+        return self.core.grammars
 
     @property
     def loop_thread(self) -> threading.Thread:
+        """The thread that hands the steps' news to callers: the stepping loop in process, the
+        reader of the core's messages with `engine_process`."""
         return self._thread
 
     # ----------------------------------------------------------------- the API
@@ -158,10 +194,17 @@ class AsyncEngine:
         """As `Engine.check_invariants`; blocks the caller for at most the step in flight."""
         self.core.check_invariants()
 
+    def num_running_seqs(self) -> int:
+        """Sequences the core runs, as of its last step (no round trip to a core process)."""
+        if self.engine_process:
+            return self.core.running_seqs
+        return self.core.scheduler.num_running_seqs
+
     def is_alive(self) -> bool:
-        """False once the loop thread has died (or the engine is shut down): every request then
-        fails at once, and a server answers 503 at `/health`."""
-        return self._fatal is None and not self._stopping and self._thread.is_alive()
+        """False once the loop thread or the core process has died (or the engine is shut
+        down): every request then fails at once, and a server answers 503 at `/health`."""
+        alive = self.core.is_alive() if self.engine_process else self._thread.is_alive()
+        return self._fatal is None and not self._stopping and alive
 
     def abort_all(self) -> None:
         """Aborts every request still going (queued; each caller gets its abort)."""
@@ -173,6 +216,9 @@ class AsyncEngine:
         stops the tensor-parallel workers, if any."""
         self.abort_all()
         self._stopping = True
+        if self.engine_process:
+            await asyncio.to_thread(self.core.close)
+            return
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self.core.close()
@@ -187,7 +233,10 @@ class AsyncEngine:
             handle.seq = request.seqs[0]
         self._handles[request.request_id] = handle
         try:
-            self.core.submit([request])
+            if self.engine_process:
+                self.core.submit([request], stream=stream)
+            else:
+                self.core.submit([request])
         except BaseException:
             del self._handles[request.request_id]
             raise
@@ -235,17 +284,19 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()  # before looking for work: a submission after this wakes us
                 while core.has_work():
-                    before = core.num_steps
-                    core.step()
-                    idle = idle + 1 if core.num_steps == before and core.scheduler.has_work() else 0
-                    if idle >= _IDLE_STEPS_BEFORE_STALL:
-                        core.fail_waiting(RuntimeError("the engine cannot schedule these requests"))
-                        idle = 0
+                    idle = step_watching_stalls(core, idle)
                 if self._stopping:
                     return
         except BaseException as exc:  # a bug outside a step's containment: fail every caller
-            self._fatal = exc
-            for handle in list(self._handles.values()):
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The core is gone (its loop broke, or its process died): every caller gets a
+        RequestError caused by `exc`, and later calls an EngineDeadError."""
+        self._fatal = exc
+        for handle in list(self._handles.values()):
+            if not handle.done:
+                handle.done = True
                 self._post(handle, RequestError(handle.request.request_id, exc))
 
     def _dispatch(self, requests: list[Request]) -> None:

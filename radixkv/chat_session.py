@@ -12,15 +12,51 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from radixkv.conversation import Conversation
 from radixkv.outputs import RequestOutput, StreamDelta
 from radixkv.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from radixkv.async_engine import AsyncEngine
-    from radixkv.engine import Engine
+
+class _SessionEngine(Protocol):
+    """What a session of either kind reads of the engine it drives. Sessions are typed against
+    these protocols, not the engines, so that the engines can import this module and not the
+    other way round."""
+
+    tokenizer: Any
+    eos_token_ids: list[int]
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+
+class ChatEngine(_SessionEngine, Protocol):
+    """The blocking engine a `ChatSession` drives (`Engine`)."""
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | None = None,
+        session_id: str | None = None,
+    ) -> list[RequestOutput]: ...
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, session_id: str | None = None
+    ) -> Iterator[StreamDelta]: ...
+
+
+class AsyncChatEngine(_SessionEngine, Protocol):
+    """The engine an `AsyncChatSession` drives (`AsyncEngine`)."""
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, session_id: str | None = None
+    ) -> RequestOutput: ...
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, *, session_id: str | None = None
+    ) -> AsyncIterator[StreamDelta]: ...
 
 
 _SESSION_IDS = itertools.count()
@@ -32,7 +68,7 @@ class _Session:
     Its turns are tagged with `session_id`, so the `session` eviction policy keeps the
     conversation's blocks over one-off requests' until `close()` (or the end of a `with` block)."""
 
-    def __init__(self, engine: Any, system: str | list[int] | None) -> None:
+    def __init__(self, engine: _SessionEngine, system: str | list[int] | None) -> None:
         self.engine = engine
         self.conversation = Conversation(engine.tokenizer, system)
         self.session_id = f"chat-{next(_SESSION_IDS)}"
@@ -71,9 +107,9 @@ class _Session:
 class ChatSession(_Session):
     """A chat session over an `Engine`; `with engine.chat() as chat:` closes it at the end."""
 
-    engine: Engine
+    engine: ChatEngine
 
-    def __init__(self, engine: Engine, system: str | list[int] | None = None) -> None:
+    def __init__(self, engine: ChatEngine, system: str | list[int] | None = None) -> None:
         super().__init__(engine, system)
 
     def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
@@ -101,7 +137,7 @@ class AsyncChatSession(_Session):
     A turn that is cancelled or fails leaves the conversation unchanged. `close()` only queues
     (`AsyncEngine.close_session`), so it never waits for a step."""
 
-    engine: AsyncEngine
+    engine: AsyncChatEngine
 
     async def send(self, message: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
         self._check_open()

@@ -10,12 +10,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from radixkv.engine import Engine
 
-ENGINE_BENCH_CASES = ("decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512")
+ENGINE_BENCH_CASES = (
+    "decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512", "overlap_decode_256",
+)
 """The cases of `radixkv bench engine` (radixkv.tools.bench_engine.CASES), named here so that
 parsing the command line does not load torch."""
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from radixkv.tools import simulate_replicas
+
+        return simulate_replicas.run(args)
     from radixkv.tools import simulate
 
     return simulate.run(args)

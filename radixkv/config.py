@@ -41,6 +41,11 @@ class EngineConfig:
     behind both tiers that outlives the process and that replicas share: full blocks are
     written to it as they are cached, and a match that runs out in memory continues there
     (`radixkv.kvstore`). Single-rank only.
+
+    `overlap` runs each step's forward on a worker thread while the host schedules and prepares
+    the next step (`radixkv.overlap`); None, the default, turns it on on CUDA and off on the CPU,
+    where host and "device" share the same cores and a forward leaves no time to hide.
+    Single-rank only.
     """
 
     model: str = "tiny-llama"
@@ -63,6 +68,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
     kv_store: str | None = None
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -108,3 +114,7 @@ class EngineConfig:
             import torch  # here, so that reading a config does not load torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.overlap and self.tensor_parallel_size > 1:
+            raise ValueError("overlap takes tensor_parallel_size 1 (the ranks step in lockstep)")
+        if self.overlap is None:
+            self.overlap = self.device.startswith("cuda") and self.tensor_parallel_size == 1

@@ -70,15 +70,20 @@ class Conversation:
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, str]], reply_ids: Mapping[int, list[int]]
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    reply_ids: Mapping[int, list[int]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt ids of `messages` through the chat template, with the generation prompt; the
-    message at each index of `reply_ids` stands as those exact ids, in place of its tokenized text."""
+    """The prompt ids of `messages` (and `tools`, for a template that renders them) through the
+    chat template, with the generation prompt; the message at each index of `reply_ids` stands
+    as those exact ids, in place of its tokenized text."""
     shown = [
         {"role": m["role"], "content": _REPLY.format(i)} if i in reply_ids else m
         for i, m in enumerate(messages)
     ]
-    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True, **extra)
     ids: list[int] = []
     for i in sorted(reply_ids):
         head, text = text.split(_REPLY.format(i), 1)

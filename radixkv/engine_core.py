@@ -24,8 +24,7 @@ ended, in the stepping thread, under the step lock.
 
 from __future__ import annotations
 
-import copy
-import itertools
+import functools
 import threading
 import time
 from collections import deque
@@ -42,29 +41,29 @@ from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
-from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.errors import RequestError
+from radixkv.input_processor import InputProcessor, Params, Prompt
 from radixkv.kvstore import KeySpace, KVStore, open_backend
 from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
-from radixkv.model.sampler import make_generator
 from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
-from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta
-from radixkv.sampling_params import BeamSearchParams, SamplingParams
+from radixkv.output_processor import beam_output, result_of, sample_output, stream_deltas
+from radixkv.outputs import Beam, RequestOutput, StreamDelta
+from radixkv.overlap import OverlapStepper
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
+from radixkv.structured.grammar import GrammarCompiler
 
-Prompt = str | list[int]
 STORE_QUEUE_BYTES = 256 * 2**20
-STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
-Params = SamplingParams | BeamSearchParams
 
 
 class EngineCore:
+    STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         torch.manual_seed(config.seed)  # unseeded sampling is reproducible run to run
@@ -129,6 +128,11 @@ class EngineCore:
                 m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
             )
             self.runner.store = self.store
+        self.inputs = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
+            self.pool.num_blocks, config.block_size, self.runner.device,
+            windows=self.kv.windows, max_num_batched_tokens=config.max_num_batched_tokens,
+        )
         self.scheduler = Scheduler(
             self.kv,
             eos_token_ids=m.eos_token_ids,
@@ -137,12 +141,12 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling,
             store=self.store,
+            vocab_size=self.vocab_size,
         )
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._closed_sessions: deque[str] = deque()
-        self._ids = itertools.count()
         self._lock = threading.RLock()  # the step lock
         self._submit_lock = threading.Lock()  # makes a request id's check and claim one act; never held long
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -152,6 +156,7 @@ class EngineCore:
         self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
         self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
         self.num_steps = 0  # steps that ran a batch
+        self._overlap = OverlapStepper(self) if config.overlap else None
 
     def _open_store(self, config: EngineConfig, block_bytes: int) -> KVStore | None:
         """The KV store of `config.kv_store`, keyed for this model, dtype and block size."""
@@ -163,6 +168,14 @@ class EngineCore:
         pending = max(16, STORE_QUEUE_BYTES // block_bytes)
         backend = open_backend(config.kv_store)
         return KVStore(backend, keys, block_bytes, pending, url=config.kv_store)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler over this model's tokenizer, made on first use (reading
+        a large vocabulary takes about a second). ValueError for a model without a fast one."""
+        if self.model.tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarCompiler(self.model.tokenizer, self.vocab_size, self.eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Any:
@@ -188,45 +201,13 @@ class EngineCore:
         eviction policy until `close_session`. `cache_salt` gives it a cache namespace: it shares
         cached blocks only with requests of the same salt (`radixkv.cache.salt`); without one,
         with every other unsalted request."""
-        expected: tuple[type, ...] = {
-            "generate": (SamplingParams,),
-            "stream": (SamplingParams,),
-            "beam_search": (BeamSearchParams,),
-        }.get(call, (SamplingParams, BeamSearchParams))
-        if params is None:
-            params = expected[0]()
-        if isinstance(params, SamplingParams | BeamSearchParams) and not isinstance(params, expected):
-            raise TypeError(f"{call} takes {expected[0].__name__}, got {type(params).__name__}")
-        if not isinstance(params, expected):
-            raise ValueError(f"params must be {' or '.join(t.__name__ for t in expected)}, got {params!r}")
-        params.validate()
-        params = copy.deepcopy(params)  # later changes by the caller do not reach the running request
-        ids = self._prompt_ids(prompt)
-        self._check_params(params)
-        self._check_fits(ids, params)
-        if request_id is None:
-            request_id = str(next(self._ids))
-            while request_id in self._requests:
-                request_id = str(next(self._ids))
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(list(ids), len(ids))
-        if isinstance(params, SamplingParams):
-            if params.seed is not None:
-                seq.generator = make_generator(params.seed, self.runner.device)
-            if self.tokenizer is not None:
-                seq.detok = IncrementalDetokenizer(self.decode, params.stop, start=len(ids))
-            if params.logprobs is not None:
-                seq.token_logprobs = []
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        request = Request(request_id, list(ids), params, [seq], session_id=session_id, cache_salt=cache_salt)
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
+        request = self.inputs.make_request(
+            prompt, params, request_id, call=call, session_id=session_id, cache_salt=cache_salt,
+            in_use=self._requests,
+        )
+        spec = getattr(request.params, "structured_outputs", None)
+        if spec is not None:  # the matcher lives where the sampler runs: in the core
+            request.seqs[0].grammar = self.grammars.matcher(spec)
         return request
 
     def submit(self, requests: list[Request]) -> list[str]:
@@ -286,7 +267,11 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Runs one engine step; returns the requests that made progress (new tokens or done).
-        Requests the step failed are not among them: their callers get a RequestError."""
+        Requests the step failed are not among them: their callers get a RequestError. With
+        `EngineConfig.overlap` a step submits the next batch and returns the tokens of the one
+        before (`radixkv.overlap`)."""
+        if self._overlap is not None:
+            return self._overlap.step()
         with self._lock:
             ended = self._drain()
             batch: list[ScheduledSeq] = []
@@ -294,7 +279,7 @@ class EngineCore:
             try:
                 batch = self.scheduler.schedule()
                 while not batch and self.scheduler.waits_for_store:  # nothing else to do: wait
-                    self.store.wait(STORE_POLL_S)
+                    self.store.wait(self.STORE_POLL_S)
                     ended += self._drain()
                     batch = self.scheduler.schedule()
                 if batch:
@@ -308,11 +293,15 @@ class EngineCore:
             except BaseException as exc:
                 self._notify(ended + self._fail(self._step_requests(batch), exc))
                 raise
-            self._observe(touched)
-            for hook in self.step_hooks:
-                hook(self)
-            self._notify(ended + touched)
-            return touched
+            return self._end_step(touched, ended)
+
+    def _end_step(self, touched: list[Request], ended: list[Request]) -> list[Request]:
+        """A step's last acts, under the step lock: metrics, hooks, `on_update`; returns `touched`."""
+        self._observe(touched)
+        for hook in self.step_hooks:
+            hook(self)
+        self._notify(ended + touched)
+        return touched
 
     def close(self) -> None:
         """Releases everything the engine holds (idempotent): requests still going are aborted;
@@ -322,6 +311,8 @@ class EngineCore:
         requests fail in their first step."""
         try:
             with self._lock:
+                if self._overlap is not None:
+                    self._overlap.close()
                 for request_id in list(self._requests):
                     if self._requests[request_id].status is not Status.FINISHED:
                         self._aborts.append(request_id)
@@ -343,7 +334,9 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: requests queued, waiting or running, aborts or
         sessions to close."""
-        return bool(self._inbox or self._aborts or self._closed_sessions or self.scheduler.has_work())
+        in_flight = self._overlap is not None and self._overlap.in_flight is not None
+        queued = self._inbox or self._aborts or self._closed_sessions
+        return bool(queued or self.scheduler.has_work() or in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return self.has_work()
@@ -361,12 +354,12 @@ class EngineCore:
     def output(self, request_id: str) -> RequestOutput:
         """The output of a finished sampling request (and forgets the request). Raises the
         request's RequestError if a step failed it."""
-        return self._sample_output(self.take(request_id))
+        return sample_output(self.take(request_id))
 
     def beam_output(self, request_id: str) -> list[Beam]:
         """The beams of a finished beam-search request, best first (and forgets the request).
         An aborted search returns no beams."""
-        return self._beam_output(self.take(request_id))
+        return beam_output(self.take(request_id), self.decode)
 
     def result(self, request_id: str) -> RequestOutput | list[Beam]:
         """`output` or `beam_output`, as the request is."""
@@ -383,7 +376,7 @@ class EngineCore:
     def result_of(self, request: Request) -> RequestOutput | list[Beam]:
         """The output or beams of a finished request already taken (`take`). Needs no step lock:
         no step touches a finished request, so the texts can be made in the reader's thread."""
-        return self._beam_output(request) if request.is_beam_search else self._sample_output(request)
+        return result_of(request, self.decode)
 
     def forget(self, request_id: str) -> None:
         """Drops a request's record, aborting it first if it is still going."""
@@ -395,34 +388,12 @@ class EngineCore:
     def stream_deltas(
         self, request: Request, seq: Sequence, start: int, end: int, finished: bool
     ) -> list[StreamDelta]:
-        """`StreamDelta`s of `seq`'s generated tokens `start` to `end` (exclusive), their text
-        detokenized here if the step did not (`Sequence.text_pieces`); the first of all carries
-        the request's cached prompt tokens, the last the finish reason when `finished` (then
-        `end` is the number of generated tokens). A request finished with no token past `start`
-        (an abort) gets a closing delta: no token, no text, its finish reason (`StreamDelta`).
-        Needs no step lock when `end` and `finished` were read under it: a step never rewrites
-        what it has published."""
-        out = seq.tokens
-        base = seq.num_prompt_tokens
-        pieces = seq.text_pieces(base + end) if seq.detok is not None else None
-        records = seq.token_logprobs
-        deltas = []
-        for i in range(start, end):
-            record = [records[i]] if records is not None else None
-            reason = seq.finish_reason if finished and i == end - 1 else None
-            deltas.append(StreamDelta(out[base + i], pieces[i] if pieces is not None else "", reason, record))
-        if finished and start == end:
-            # Only an abort ends a request without a token (a stop or length comes with the token
-            # that caused it), and an aborted text holds nothing back to release here.
-            deltas.append(StreamDelta(None, "", seq.finish_reason))
-        if start == 0 and deltas:  # the prefix match is known from admission on
-            deltas[0].num_cached_tokens = request.num_cached_tokens or 0
-            deltas[0].prompt_logprobs = request.prompt_logprobs
-        return deltas
+        """See `radixkv.output_processor.stream_deltas`."""
+        return stream_deltas(request, seq, start, end, finished)
 
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, special tokens left out ("" for a model without a tokenizer)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return self.inputs.decode(ids)
 
     # ---------------------------------------------------------------- metrics
 
@@ -481,9 +452,9 @@ class EngineCore:
             request = self._requests.get(self._aborts.popleft())
             if request is None or request.status is Status.FINISHED:
                 continue
-            for seq in request.seqs:  # between steps every counted token is computed
+            for seq in request.seqs:  # all but the slots of a step in flight are computed
                 if seq.table is not None:
-                    self.kv.cache_finished(seq.table, seq.tokens)
+                    self.kv.cache_finished(seq.table, seq.tokens, seq.num_computed)
             self.scheduler.remove(request)
             if not request.is_beam_search:
                 for seq in request.seqs:
@@ -528,86 +499,6 @@ class EngineCore:
     def _notify(self, requests: list[Request]) -> None:
         if self.on_update is not None and requests:
             self.on_update(requests)
-
-    def _sample_output(self, request: Request) -> RequestOutput:
-        seqs = sorted(request.finished_seqs, key=lambda s: s.index)
-        samples = [
-            Sample(s.output_ids, "".join(s.text_pieces()), s.finish_reason, s.token_logprobs)
-            for s in seqs
-        ]
-        first = request.first_token_time or request.finish_time
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_ids,
-            samples=samples,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            ttft_s=first - request.arrival_time,
-            e2e_s=request.finish_time - request.arrival_time,
-            prompt_logprobs=request.prompt_logprobs,
-        )
-
-    def _beam_output(self, request: Request) -> list[Beam]:
-        return [
-            Beam(s.output_ids, self.decode(s.output_ids), s.score, s.finish_reason)
-            for s in request.finished_seqs
-        ]
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is text, but this model has no tokenizer: pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list):
-            ids = prompt
-        else:
-            raise ValueError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:  # before the scan below: a huge prompt is refused at once
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate"
-            )
-        vocab = self.vocab_size
-        bad = next(
-            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
-        )
-        if bad is not None:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
-        return ids
-
-    def _check_params(self, params: Params) -> None:
-        """What the params alone cannot check: token ids against the vocabulary, stop strings
-        against the tokenizer."""
-        if isinstance(params, BeamSearchParams):
-            return
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name} must hold token ids in [0, {self.vocab_size}), got {bad}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
-
-    def _check_fits(self, ids: list[int], params: Params) -> None:
-        """A request that could not fit in the pool even alone would wait forever: refuse it."""
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
-        if width > self.config.max_num_seqs:
-            field = "beam_width" if isinstance(params, BeamSearchParams) else "n"
-            raise ValueError(f"{field} {width} exceeds max_num_seqs {self.config.max_num_seqs}")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        prompt_blocks = self.kv.blocks_for(len(ids))
-        need = one = prompt_blocks + width * (self.kv.blocks_for(total) - prompt_blocks + 1)
-        for window in self.kv.windows:  # a sliding group: a prefill chunk's span, or each
-            if window is None:  # sequence's window while they decode
-                need += one
-            else:
-                chunk = self.kv.blocks_for(window + self.config.max_num_batched_tokens) + 1
-                need += min(one, max(chunk, width * (self.kv.blocks_for(window) + 2)))
-        if need > self.pool.num_blocks:
-            raise ValueError(
-                f"request needs up to {need} KV blocks (prompt {len(ids)} tokens, max_tokens "
-                f"{params.max_tokens}, {width} sequences) but the pool has {self.pool.num_blocks}; "
-                "raise kv_cache_memory or shorten the request"
-            )
 
     def _observe(self, touched: list[Request]) -> None:
         for request in touched:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from radixkv.structured.spec import StructuredOutputs
+
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
 MAX_STOP_STRINGS = 16
 INT64_MAX = 2**63 - 1
@@ -65,7 +67,7 @@ class SamplingParams:
     `prompt_logprobs` k (0 to 20) does the same for every prompt token but the first (which has
     no context): those positions are computed even when the prefix cache holds them.
 
-    Logits processors, applied in this order before temperature (`radixkv.model.logits_processors`):
+    Logits processors, applied in this order before temperature (`radixkv.sampling.logits_processors`):
     `min_tokens` forbids EOS and `stop_token_ids` until that many tokens are generated;
     `logit_bias` (token id -> -100 to 100) is added; `repetition_penalty` (> 0, 1 off) divides
     a positive logit and multiplies a negative one of every token in the prompt or output, as
@@ -73,6 +75,11 @@ class SamplingParams:
     `presence * (count > 0) + frequency * count` over the output's tokens. `min_p` (0 to 1, 0 off)
     drops, after top-k and top-p, tokens less likely than `min_p` times the most likely one.
     Logprobs stay those of the unprocessed distribution.
+
+    `structured_outputs` (`radixkv.structured.StructuredOutputs`: a JSON schema, any JSON object,
+    a regex, a choice or a Lark grammar) masks every token the grammar cannot take next, after
+    the processors; EOS is allowed only where the grammar may end, and the sample finishes
+    ("stop") as soon as the grammar is complete. Needs a model with a fast tokenizer.
     """
 
     max_tokens: int = 16
@@ -92,6 +99,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None
     # Whether a logits processor is on (set by `validate`): read once per row per step.
     processes_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -155,6 +163,11 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                kind = type(self.structured_outputs).__name__
+                raise ValueError(f"structured_outputs must be a StructuredOutputs, got {kind}")
+            self.structured_outputs.validate()
         self.processes_logits = bool(
             self.presence_penalty
             or self.frequency_penalty

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,11 @@ from radixkv.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from radixkv.kvstore.store import StoreLookup
+
+
+PLACEHOLDER = -1
+"""A generated token whose step is still in flight (host/device overlap): never a vocabulary id.
+It stands at the end of a sequence's tokens only while the engine schedules the next step."""
 
 
 class Status(enum.Enum):
@@ -45,6 +50,8 @@ class Sequence:
     index: int = 0  # which of a request's n samples
     detok: IncrementalDetokenizer | None = None  # the generated text, piece by piece (`text_pieces`)
     token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
+    ahead: int = 0  # slots of its table that steps in flight (overlap) have not computed yet
+    grammar: Any = None  # structured output's matcher (an llguidance LLMatcher), in the sampler's process
 
     def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
         """Sample `index` of the same prompt, before any token is generated: shares the KV."""
@@ -56,6 +63,7 @@ class Sequence:
             index=index,
             detok=self.detok.fork() if self.detok is not None else None,
             token_logprobs=[] if self.token_logprobs is not None else None,
+            grammar=self.grammar.deep_copy() if self.grammar is not None else None,
         )
 
     def text_pieces(self, end: int | None = None) -> list[str]:
@@ -81,6 +89,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the cache now: what may be cached in the tree."""
+        return self.table.num_tokens - self.ahead
 
     @property
     def num_uncomputed(self) -> int:

@@ -31,17 +31,19 @@ from typing import NamedTuple
 
 import torch
 from radixkv.scheduler.beam_search import BeamSearch
-from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.chunk import SequenceChunk
+from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
 from radixkv.scheduler.waiting_queue import WaitingQueue
 
 from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
 from radixkv.cache.radix_cache import common_prefix_len
 from radixkv.kvstore.store import KVStore, StoredRun
-from radixkv.model.runner import SequenceChunk
-from radixkv.model.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling.logits_processors import TokenMask
+from radixkv.sampling.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.sampling_params import sample_seed
+from radixkv.structured.masks import MaskFiller
 
 
 class StepOutcome(NamedTuple):
@@ -52,7 +54,28 @@ class StepOutcome(NamedTuple):
     touched: list[Request]
     failed: list[tuple[Request, Exception]]
 
-STORE_ADMIT_WAIT_S = 0.01  # how long admission waits on the KV store for one request, per phase
+
+class SampledStep(NamedTuple):
+    """A step's tokens before they are appended (`Scheduler.sample_step`, then `commit`):
+    sampled sequence j is `requests[j]`'s `seqs[j]`, with `tokens[j]` (None when its request's
+    sampling raised, in `failed`) and logprob `records[j]`; `beam_rows` are the beam groups
+    whose rows were scored; `batch` the step's entries."""
+
+    batch: list[ScheduledSeq]
+    requests: list[Request]
+    seqs: list[Sequence]
+    tokens: list[int | None]
+    records: list[TokenLogprob | None]
+    beam_rows: dict[str, Request]
+    failed: dict[str, tuple[Request, Exception]]
+
+
+# How long one schedule's admissions wait on the KV store, all requests together: at least
+# STORE_ADMIT_WAIT_S, or STORE_ADMIT_WAIT_SHARE of the last step's time when that is longer. A
+# request whose blocks are not fetched by then waits a whole step; waiting delays the step of
+# every running request, so it is bounded by a share of the step a skip would cost.
+STORE_ADMIT_WAIT_S = 0.01
+STORE_ADMIT_WAIT_SHARE = 0.25
 
 
 @dataclass(slots=True, init=False)
@@ -86,10 +109,16 @@ class Scheduler:
         max_model_len: int,
         policy: str,
         store: KVStore | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.kv = kv
+        self.vocab_size = vocab_size  # the logits' width, for structured output's token masks
+        self._masks: MaskFiller | None = None  # made when a structured request first runs
         self.store = store
         self.waits_for_store = False  # the last schedule skipped a request fetching from the store
+        self.step_s = 0.0  # the last step's time, from schedule() to postprocess()
+        self._scheduled_at = 0.0
+        self._store_until: float | None = None  # this schedule's end of waiting on the store
         self.eos = set(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,6 +163,8 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         self.waits_for_store = False
+        self._scheduled_at = time.perf_counter()
+        self._store_until = None
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -171,7 +202,21 @@ class Scheduler:
         if not preempted and budget > 0 and len(self.waiting) and self.num_running_seqs < self.max_num_seqs:
             budget = self._admit(batch, budget)
         self.waiting.age()
+        self._start_masks(batch)
         return batch
+
+    def _start_masks(self, batch: list[ScheduledSeq]) -> None:
+        """Starts filling the token masks of the structured sequences this step samples, to run
+        beside the forward pass (`radixkv.structured.masks`)."""
+        matchers = [
+            item.seq.grammar
+            for item in batch
+            if item.seq.grammar is not None and item.start_pos + len(item.token_ids) == len(item.seq.tokens)
+        ]
+        if matchers and self._masks is None:
+            self._masks = MaskFiller(self.vocab_size)
+        if self._masks is not None:
+            self._masks.start(matchers)
 
     def _admit(self, batch: list[ScheduledSeq], budget: int) -> int:
         for request in self.waiting.ordered():
@@ -235,7 +280,10 @@ class Scheduler:
         start = self.kv.cache.cached_prefix_len(lookup.tokens) // self.kv.block_size
         if start == len(lookup.tokens) // self.kv.block_size:  # the memory tiers hold every block
             return StoredRun(start)
-        return self.store.poll(lookup, start, STORE_ADMIT_WAIT_S)
+        now = time.perf_counter()
+        if self._store_until is None:
+            self._store_until = now + max(STORE_ADMIT_WAIT_S, STORE_ADMIT_WAIT_SHARE * self.step_s)
+        return self.store.poll(lookup, start, max(0.0, self._store_until - now))
 
     def _waits_for_shared_prefill(self, request: Request) -> bool:
         """Whether a prompt being prefilled now shares a block or more of tokens with this one
@@ -258,7 +306,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         for seq in request.seqs:
-            self.kv.preempt(seq.table, seq.tokens)
+            self.kv.preempt(seq.table, seq.tokens, seq.num_computed)
+            if seq.tokens[-1] == PLACEHOLDER:  # its step's token is dropped: resuming samples again
+                seq.tokens.pop()
             seq.table = None
             seq.logprobs = None
         self.running.remove(request)
@@ -270,23 +320,34 @@ class Scheduler:
 
     def postprocess(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> StepOutcome:
         """Consumes the step's logits (one row per entry of `batch` that needs logits, in
-        order); returns the requests that made tokens or finished, and those that failed.
+        order); returns the requests that made tokens or finished, and those that failed."""
+        return self.commit(self.sample_step(batch, logits))
+
+    def sample_step(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> SampledStep:
+        """The step's tokens, not yet appended (`commit` does). An entry whose sequence has
+        ended since it was scheduled (finished a step early, aborted, preempted, failed: its
+        table is gone) has its rows skipped: with overlap its extra token is discarded.
 
         One pass over the batch sorts its rows into sampled ones and beam ones, then one `sample`
         call (one argmax for a greedy batch) and one `.tolist()` serve every sampled row. When
         the rows are the logits in order (no beams, no forks), they are not gathered: indexing
         256 rows by a list cost 110 us."""
         now = time.perf_counter()
+        self.step_s = now - self._scheduled_at
         requests: list[Request] = []  # sampled: sequence j of `seqs` is request j's, from row `rows[j]`
         seqs: list[Sequence] = []
         rows: list[int] = []
+        grammars: list = []  # per sampled row, the matcher whose mask it takes (a fork: its parent's)
         beam_rows: dict[str, Request] = {}
         forked = False  # the sampled rows are not the logits in order
         row = 0
         for item in batch:
             seq, request = item.seq, item.request
-            if seq.table.num_tokens <= seq.num_prompt_tokens:
-                self.kv.cache_running(seq.table, seq.tokens)
+            if seq.table is None:
+                if item.logits != "none":
+                    row += len(item.token_ids) if item.logits == "all" else 1
+                    forked = True  # the sampled rows skip these
+                continue
             if item.logits == "all":
                 num_rows = len(item.token_ids)
                 _record_prompt_logprobs(request, item.start_pos, logits[row : row + num_rows])
@@ -307,19 +368,40 @@ class Scheduler:
                     requests.append(request)
                     seqs.append(s)
                     rows.append(row)
+                    grammars.append(seq.grammar)
             else:
                 requests.append(request)
                 seqs.append(seq)
                 rows.append(row)
+                grammars.append(seq.grammar)
             row += 1
-        touched: dict[str, Request] = {}
         failed: dict[str, tuple[Request, Exception]] = {}
+        tokens: list[int | None] = []
+        records: list[TokenLogprob | None] = []
         if seqs:
             chosen = logits if not forked and not beam_rows else logits[rows]
-            tokens, records = self._sample(chosen, requests, seqs, failed)
+            tokens, records = self._sample(chosen, requests, seqs, failed, self._token_mask(grammars))
+        return SampledStep(batch, requests, seqs, tokens, records, beam_rows, failed)
+
+    def commit(self, sampled: SampledStep) -> StepOutcome:
+        """Appends a sampled step's tokens, steps its beam groups, finishes and caches what is
+        done; returns the requests that made tokens or finished, and those that failed. Prompts
+        cache their computed blocks first, as they go."""
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        batch, requests, seqs, tokens, records, beam_rows, failed = sampled
+        for item in batch:
+            seq = item.seq
+            if seq.table is not None and seq.num_computed <= seq.num_prompt_tokens:
+                self.kv.cache_running(seq.table, seq.tokens, seq.num_computed)
+        if seqs:
             append = self._append
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
-                if token is None:  # its request failed
+                if token is None or request.request_id in failed:  # its request failed
+                    continue
+                if seq.grammar is not None and not seq.grammar.consume_token(token):
+                    error = ValueError(f"structured output rejected token {token}: {seq.grammar.get_error()}")
+                    failed[request.request_id] = (request, error)
                     continue
                 if record is not None:
                     seq.token_logprobs.append(record)
@@ -351,6 +433,7 @@ class Scheduler:
         requests: list[Request],
         seqs: list[Sequence],
         failed: dict[str, tuple[Request, Exception]],
+        mask: TokenMask | None = None,
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Row i's token and logprob record, batched. If the batch raises, each request's rows are
         sampled alone and a request whose own rows raise goes into `failed` (its tokens None), so
@@ -359,7 +442,7 @@ class Scheduler:
         params = [request.params for request in requests]
         generators = [seq.generator for seq in seqs]
         try:
-            tokens = sample(logits, params, generators, seqs, self.eos)
+            tokens = sample(logits, params, generators, seqs, self.eos, mask)
             return tokens.tolist(), token_logprobs(logits, tokens, [p.logprobs for p in params])
         except Exception:  # find the request at fault below
             pass
@@ -372,7 +455,8 @@ class Scheduler:
             try:
                 own = logits[rows]
                 own_params, own_seqs = [params[i] for i in rows], [seqs[i] for i in rows]
-                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos)
+                own_mask = _own_mask(mask, rows)
+                tokens = sample(own, own_params, [generators[i] for i in rows], own_seqs, self.eos, own_mask)
                 records = token_logprobs(own, tokens, [params[i].logprobs for i in rows])
             except Exception as error:
                 failed[request_id] = (requests[rows[0]], error)
@@ -380,6 +464,14 @@ class Scheduler:
             for i, token, record in zip(rows, tokens.tolist(), records, strict=True):
                 out_tokens[i], out_records[i] = token, record
         return out_tokens, out_records
+
+    def _token_mask(self, grammars: list) -> TokenMask | None:
+        """The structured sampled rows' token mask, or None when no row is structured: the rows
+        the step's `_start_masks` filled, in row order."""
+        structured = [j for j, g in enumerate(grammars) if g is not None]
+        if not structured:
+            return None
+        return TokenMask(structured, self._masks.rows([grammars[j] for j in structured]))
 
     def _fork(self, seq: Sequence, k: int) -> Sequence:
         """Sample k of a request with n > 1: shares the prompt's blocks, and draws from its own
@@ -397,12 +489,18 @@ class Scheduler:
         if params.stop:  # only a stop string needs the text now; readers detokenize the rest
             seq.detok.push(tokens)
             stop_string = seq.detok.stopped
-        if token in params.stop_token_ids or (token in self.eos and not params.ignore_eos) or stop_string:
+        grammar_done = seq.grammar is not None and seq.grammar.is_stopped()
+        if (
+            token in params.stop_token_ids
+            or (token in self.eos and not params.ignore_eos)
+            or stop_string
+            or grammar_done
+        ):
             seq.finish_reason = "stop"
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self.kv.cache_finished(seq.table, tokens)
+            self.kv.cache_finished(seq.table, tokens, seq.num_computed)
             seq.table = None
             request.seqs.remove(seq)
             request.finish_seq(seq, seq.finish_reason)
@@ -443,6 +541,17 @@ class Scheduler:
                 for tokens, score in search.results()
             ]
             del self.beams[request.request_id]
+
+
+def _own_mask(mask: TokenMask | None, rows: list[int]) -> TokenMask | None:
+    """The part of `mask` for the sampled rows `rows`, renumbered as they are sampled alone."""
+    if mask is None:
+        return None
+    where = {row: j for j, row in enumerate(mask.rows)}
+    own = [(k, where[row]) for k, row in enumerate(rows) if row in where]
+    if not own:
+        return None
+    return TokenMask([k for k, _ in own], mask.bitmask[[j for _, j in own]])
 
 
 def _record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor) -> None:

@@ -1,4 +1,6 @@
 """AsyncEngine: many concurrent streams with cancellations, against the blocking engine's outputs.
+The engine core runs in its own process (the default) unless a test says `engine_process=False`
+(in-process tests reach into the core, or test the loop thread itself).
 
 The sync `Engine` on the same weights is the oracle here; it is itself checked against
 transformers in test_engine.py. Seeded sampling does not depend on the batch, so every surviving
@@ -18,6 +20,7 @@ import time
 import pytest
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, SamplingParams, StreamDelta
+from radixkv.engine_process.core_client import CoreClient
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
 
@@ -56,6 +59,16 @@ def params_for(i: int) -> SamplingParams:
 
 
 def leak_free(core) -> None:
+    """No block, table or request left behind. A core in its own process is asked: once it is
+    idle, its invariants (every block held by the cache or a running sequence) and no request."""
+    if isinstance(core, CoreClient):
+        deadline = time.monotonic() + 30
+        while (m := core.metrics())["running"] or m["waiting"]:
+            assert time.monotonic() < deadline, "the core did not become idle within 30 s"
+            time.sleep(0.01)
+        core.check_invariants()
+        assert not core._requests
+        return
     core.check_invariants()
     cache = core.kv.cache
     assert core.pool.num_free + cache.evictable_size == core.pool.num_blocks
@@ -63,7 +76,8 @@ def leak_free(core) -> None:
     assert not core._requests
 
 
-def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folders):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "in-process"])
+def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folders, engine_process):
     batch = prompts(64, seed=1)
     sync = Engine.from_pretrained(model_folders["llama"], **KW)
     ids = [sync.add_request(p, params_for(i)) for i, p in enumerate(batch)]
@@ -74,7 +88,8 @@ def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folder
     break_after = {i: rng.randrange(1, 4) for i in rng.sample(sorted(set(range(64)) - set(cancel_after)), 8)}
 
     async def main() -> tuple[dict[int, list[StreamDelta]], AsyncEngine]:
-        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        config = EngineConfig(model=str(model_folders["llama"]), **KW)
+        engine = AsyncEngine(config, engine_process=engine_process)
         got: dict[int, list[StreamDelta]] = {}
         started: dict[int, asyncio.Event] = {i: asyncio.Event() for i in cancel_after}
 
@@ -99,7 +114,8 @@ def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folder
         await asyncio.gather(*cancellers)
         for i, r in zip(tasks, results, strict=True):
             assert r is None or isinstance(r, asyncio.CancelledError), (i, r)
-        engine.core.step()  # applies the aborts the cancellations queued (a no-op if the loop did)
+        if not engine_process:
+            engine.core.step()  # applies the aborts the cancellations queued (a no-op if the loop did)
         return got, engine
 
     got, engine = asyncio.run(main())
@@ -115,6 +131,7 @@ def test_64_streams_with_random_cancellations_equal_the_sync_engine(model_folder
             assert "".join(d.text for d in deltas) == sync.decode(tokens)
     assert cancelled > 0, "no request was cut short: the cancellations exercised nothing"
     leak_free(engine.core)
+    asyncio.run(engine.shutdown())
 
 
 def test_generate_beam_search_and_cancellation(model_folders):
@@ -151,13 +168,13 @@ def test_generate_beam_search_and_cancellation(model_folders):
         assert (await anext(stream)).token_id == want.token_ids[0]
         del stream
         gc.collect()
-        await until(lambda: engine.metrics()["running"] == 0 and not engine.core.has_work())
+        await until(lambda: (m := engine.metrics())["running"] == 0 and m["waiting"] == 0)
         chat = engine.chat(system=[1, 2, 3])
         first = await chat.send([4, 5, 6], greedy)
         second = await chat.send([7, 8], greedy)
         assert second.num_cached_tokens >= len(first.prompt_token_ids)
-        await engine.shutdown()
         leak_free(engine.core)
+        await engine.shutdown()
 
     asyncio.run(main())
 
@@ -166,7 +183,7 @@ def test_an_idle_engine_sleeps(model_folders):
     """Idle, the loop thread is parked on its event (no polling), so it uses no CPU."""
 
     async def main() -> float:
-        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW), engine_process=False)
         await engine.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
         await until(lambda: parked(engine.loop_thread))
         clock = time.pthread_getcpuclockid(engine.loop_thread.ident)
@@ -183,16 +200,21 @@ def test_an_idle_engine_sleeps(model_folders):
     assert asyncio.run(main()) < 0.005, "the loop thread used CPU while idle"
 
 
-def test_shutdown_aborts_what_is_in_flight(model_folders):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "in-process"])
+def test_shutdown_aborts_what_is_in_flight(model_folders, engine_process):
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        config = EngineConfig(model=str(model_folders["llama"]), **KW)
+        engine = AsyncEngine(config, engine_process=engine_process)
         long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(engine.generate([1, 2, 3], long))
         await until(lambda: engine.metrics()["running"] > 0)
         await engine.shutdown()
         out = await task
         assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500
-        leak_free(engine.core)
+        if engine_process:
+            assert engine.core.process.poll() is not None  # the core process is gone, and its blocks
+        else:
+            leak_free(engine.core)
         with pytest.raises(RuntimeError, match="shut down"):
             await engine.generate([1, 2, 3], long)
 

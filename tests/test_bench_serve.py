@@ -9,8 +9,10 @@ from radixkv.tools.bench_serve import measure
 
 
 @pytest.mark.slow
-def test_a_tiny_run_reports_step_periods_tokens_and_health_latency():
-    case = measure(streams=3, tokens=24, device_ms=5.0)
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "core-process"])
+def test_a_tiny_run_reports_step_periods_tokens_and_health_latency(engine_process):
+    case = measure(streams=3, tokens=24, device_ms=5.0, engine_process=engine_process)
+    assert case["mode"] == ("core-process" if engine_process else "in-process")
     assert case["streams"] == 3 and case["steps_in_window"] >= 2
     # Every step sleeps 5 ms in the stub: no period can be shorter.
     assert case["idle_period_ms"] >= 5.0 and case["period_ms"] >= 5.0
@@ -19,3 +21,4 @@ def test_a_tiny_run_reports_step_periods_tokens_and_health_latency():
         3 / (case["idle_period_ms"] / 1e3)
     )
     assert case["health_p99_ms"] > 0
+    assert case["span_tok_s"] > 0 and case["span_period_ms"] >= 5.0

@@ -23,7 +23,7 @@ from radixkv.scheduler import scheduler as scheduler_module
 from radixkv.scheduler.beam_search import BeamSearch
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
-from radixkv.model.sampler import make_generator, sample
+from radixkv.sampling.sampler import make_generator, sample
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, MAX_LENGTH_PENALTY
 
 VOCAB = 259

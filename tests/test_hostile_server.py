@@ -22,11 +22,12 @@ LIMIT = 64 * 1024
 
 
 class Server:
-    """An app over a fresh engine, driven from a private event loop."""
+    """An app over a fresh engine (its core in its own process unless `engine_process` is
+    False), driven from a private event loop."""
 
-    def __init__(self, folder, **app_kw) -> None:
+    def __init__(self, folder, engine_process: bool = True, **app_kw) -> None:
         self.loop = asyncio.new_event_loop()
-        self.engine = AsyncEngine(EngineConfig(model=str(folder), **KW))
+        self.engine = AsyncEngine(EngineConfig(model=str(folder), **KW), engine_process=engine_process)
         app_kw.setdefault("session_idle_timeout_s", 0)
         self.app = build_app(self.engine, "tiny", **app_kw)
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://radixkv")
@@ -46,6 +47,14 @@ class Server:
 @pytest.fixture
 def server(model_folders):
     s = Server(model_folders["llama"], max_request_bytes=LIMIT)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def in_process_server(model_folders):
+    """For tests that break the in-process loop from inside (a core process: test_engine_process)."""
+    s = Server(model_folders["llama"], engine_process=False, max_request_bytes=LIMIT)
     yield s
     s.close()
 
@@ -170,7 +179,8 @@ def test_a_client_gone_mid_upload_is_one_info_line(server, caplog):
 # --------------------------------------------------------------------------- dead engine
 
 
-def test_when_the_engine_loop_dies_every_request_fails_at_once_and_health_is_503(server):
+def test_when_the_engine_loop_dies_every_request_fails_at_once_and_health_is_503(in_process_server):
+    server = in_process_server
     core = server.engine.core
 
     def broken() -> bool:
@@ -193,11 +203,12 @@ def test_when_the_engine_loop_dies_every_request_fails_at_once_and_health_is_503
     assert health.status_code == 503
 
 
-def test_a_request_opened_just_after_the_loop_died_fails_instead_of_waiting(server):
+def test_a_request_opened_just_after_the_loop_died_fails_instead_of_waiting(in_process_server):
     """The race: the loop dies after a caller's liveness check but before the loop's last look
     at the registered requests. Emulated by dying inside the submission."""
     from radixkv import RequestError, SamplingParams
 
+    server = in_process_server
     engine = server.engine
     real_submit = engine.core.submit
 

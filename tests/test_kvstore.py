@@ -11,6 +11,7 @@ import time
 import pytest
 from redis_server import redis_url  # noqa: F401  (a fixture)
 
+from radixkv.cache.salt import salt_offset, salted
 from radixkv.kvstore import (
     CorruptEntry,
     FileBackend,
@@ -25,8 +26,8 @@ from radixkv.kvstore import (
 B = 4
 
 
-def keys_of(tokens, salt=None, fingerprint="m"):
-    return KeySpace(fingerprint, "float32", B).block_keys(tokens, len(tokens), salt)
+def keys_of(tokens, fingerprint="m"):
+    return KeySpace(fingerprint, "float32", B).block_keys(tokens, len(tokens))
 
 
 def test_a_key_names_its_block_and_every_token_before_it():
@@ -40,8 +41,7 @@ def test_a_key_names_its_block_and_every_token_before_it():
         changed = keys_of(other)
         assert changed[: i // B] == keys[: i // B]
         assert all(a != b for a, b in zip(changed[i // B :], keys[i // B :], strict=True))
-    assert not set(keys) & set(keys_of(base, salt="tenant-a"))
-    assert keys_of(base, salt="") == keys  # an empty salt is no salt
+    assert not set(keys) & set(keys_of(salted(base, salt_offset("tenant-a"))))  # as the cache keys it
     assert not set(keys) & set(keys_of(base, fingerprint="another model"))
     assert not set(keys) & set(KeySpace("m", "bfloat16", B).block_keys(base, 4))
 
@@ -187,6 +187,28 @@ def test_a_lookup_fetches_only_the_run_that_continues_the_match():
     assert run.first_block == 2 and len(run.blocks) == 2  # 2 and 3; 4 is missing, so 5 is no use
     m = store.metrics()
     assert (m["kv_store_hit_blocks"], m["kv_store_miss_blocks"]) == (2, 2)
+
+
+def test_an_existence_check_still_running_at_admission_goes_on_to_the_fetch():
+    """The first poll finds the existence check running: it leaves the tree's match with it, and
+    the reader thread fetches from there as soon as the check ends, with no second poll (one
+    handoff between threads before admission instead of two)."""
+    backend = MemoryBackend()
+    store = make_store(backend)
+    tokens = list(range(4 * 5))
+    keys = store.keyspace.block_keys(tokens, 5)
+    backend.put([(k, encode_entry(k, b"xyz")) for k in keys])
+    checked = threading.Event()
+    exists = backend.exists
+    backend.exists = lambda keys: (checked.wait(30), exists(keys))[1]
+    lookup = store.lookup(tokens)
+    assert store.poll(lookup, 1) is None  # still checking: the match (block 1) goes with it
+    checked.set()
+    with store._changed:
+        assert store._changed.wait_for(lambda: lookup.done, 10), "the fetch never followed the check"
+    assert lookup.run.first_block == 1 and [b.payload for b in lookup.run.blocks] == [b"xyz"] * 4
+    assert store.poll(lookup, 1) is lookup.run
+    store.close()
 
 
 def test_a_store_that_is_down_is_a_miss_logged_once(caplog):

@@ -16,8 +16,8 @@ from transformers import (
 )
 
 from radixkv import SamplingParams
-from radixkv.model.logits_processors import apply_min_p, process_logits
-from radixkv.model.sampler import sample
+from radixkv.sampling.logits_processors import apply_min_p, process_logits
+from radixkv.sampling.sampler import sample
 
 VOCAB = 50
 EOS = 7

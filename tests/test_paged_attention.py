@@ -202,12 +202,13 @@ def test_wrong_out_raises_value_error_naming_it() -> None:
 
 def test_gpu_plan_splits_small_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch_plan, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(launch_plan, "_capability", lambda device: (9, 0))
     sizes = {"num_kv_heads": 2, "group": 4, "head_dim": 128, "max_kv_len": 32768}
     decode = launch_plan.plan_attention_gpu(torch.device("cuda"), 4, 4, **sizes)
     prefill = launch_plan.plan_attention_gpu(torch.device("cuda"), 8192, 4, **sizes)
     assert decode.num_splits > 1 and decode.block_q * 4 == 16 and decode.items == 1
     assert decode.num_splits & (decode.num_splits - 1) == 0
-    assert prefill.num_splits == 1 and prefill.block_q * 4 == 32
+    assert prefill.num_splits == 1 and prefill.block_q * 4 == launch_plan.PREFILL_TILES[9][128].rows
     # A GPU copy plan is one shape per row length (one compile), whatever the number of rows.
     gpu_copy = functools.partial(launch_plan.plan_copy, row_len=256, interpreted=False)
     assert gpu_copy(1) == gpu_copy(300)

@@ -7,6 +7,8 @@ function of the whole sequence read back through the block table. Any wrong KV (
 made, a block shared too early, uncomputed slots served from the cache) reads back a different
 sequence and so changes the tokens. Completed greedy requests must equal that function applied
 to the true sequence (a pure-Python oracle); beams and seeded samples must equal a roomy pool's.
+Each run goes once with host/device overlap (`EngineConfig.overlap`: the stand-in's forward runs
+on the step worker while the next step is scheduled) and once without.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from radixkv.scheduler.chunk import SequenceChunk
 from random_runs import run_length
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
-from radixkv.model.runner import SequenceChunk
 
 BLOCK = 4
 VOCAB = 259
@@ -68,13 +70,14 @@ class EchoRunner:
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 
 
-def make_engine(folder, kv_cache_memory: str | int) -> Engine:
+def make_engine(folder, kv_cache_memory: str | int, overlap: bool = False) -> Engine:
     engine = Engine.from_pretrained(
         folder,
         block_size=BLOCK,
         kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=16,
         max_num_seqs=6,
+        overlap=overlap,
     )
     engine.runner = EchoRunner(engine.pool.num_blocks)
     return engine
@@ -93,12 +96,13 @@ def random_request(rng: random.Random, docs: list[list[int]]):
     return prompt, SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_operations_keep_books_and_outputs(model_folders, seed):
+def test_random_operations_keep_books_and_outputs(model_folders, seed, overlap):
     rng = random.Random(seed)
     docs = [[rng.randrange(4) for _ in range(24)] for _ in range(3)]  # shared prefixes, 4-token alphabet
     # Largest request: 6 prompt blocks + 2 sequences x (3 more blocks + 1): 14 blocks. The pool has 16.
-    engine = make_engine(model_folders["llama"], 16 * 2048)
+    engine = make_engine(model_folders["llama"], 16 * 2048, overlap)
     assert engine.pool.num_blocks == 16
     engine.step_hooks.append(Engine.check_invariants)
     submitted: dict[str, tuple[list[int], object]] = {}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from radixkv.scheduler.chunk import SequenceChunk
 
 from radixkv.model.loader import LoadedModel
-from radixkv.model.runner import ModelRunner, SequenceChunk
-from radixkv.model.sampler import apply_top_k_top_p, compute_logprobs, make_generator, sample
+from radixkv.model.runner import ModelRunner
+from radixkv.sampling.sampler import apply_top_k_top_p, compute_logprobs, make_generator, sample
 from radixkv.sampling_params import SamplingParams
 
 

@@ -196,9 +196,10 @@ def test_a_stream_whose_client_left_before_it_began_releases_its_admission(folde
         assert state.in_flight == 0
         assert state.sessions.close("left-early") and "left-early" not in state.sessions
         deadline = time.monotonic() + 30
-        while engine.core.has_work() and time.monotonic() < deadline:
+        while (m := engine.metrics())["running"] + m["waiting"] and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        assert not engine.core.has_work(), "the engine request was not aborted"
+        metrics = engine.metrics()
+        assert metrics["running"] + metrics["waiting"] == 0, "the engine request was not aborted"
         await engine.shutdown()
 
     asyncio.run(main())

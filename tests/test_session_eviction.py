@@ -65,7 +65,7 @@ def test_an_async_chat_is_tagged_and_closed_like_a_chat(model_folders, close):
         config = EngineConfig(
             model=str(model_folders["llama"]), block_size=16, kv_cache_memory=12 * 8192, eviction="session"
         )
-        engine = AsyncEngine(config)
+        engine = AsyncEngine(config, engine_process=False)  # reads the core's cache below
         try:
             chat = engine.chat(system=[3] * 40)
             first = await chat.send([7] * 16, PARAMS)

@@ -113,7 +113,7 @@ def test_async_streams_end_with_the_reason_once_aborted_or_not(model_folders):
     want_length = sync.generate([prompt(5, 12)], length)[0].token_ids
 
     async def main() -> None:
-        engine = AsyncEngine(config)
+        engine = AsyncEngine(config, engine_process=False)  # steps hooked below
         try:
             # Aborted between two tokens by `AsyncEngine.abort`.
             deltas = []
@@ -159,7 +159,7 @@ def test_an_aborted_async_chat_turn_records_finish_reason_abort(model_folders, m
     async def main() -> None:
         # The whole prompt in one step, so the abort after the third step comes three tokens in.
         config = EngineConfig(model=str(model_folders["llama"]), block_size=4, kv_cache_memory="8MiB")
-        engine = AsyncEngine(config)
+        engine = AsyncEngine(config, engine_process=False)  # steps hooked below
         try:
             chat = engine.chat(system="You are terse.")
             hook = abort_all_at_step(engine.core.num_steps + 3)
@@ -191,7 +191,7 @@ def test_an_sse_stream_aborted_by_the_engine_ends_with_an_abort_chunk(model_fold
     from radixkv.server.app import build_app
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW), engine_process=False)
         app = build_app(engine, "tiny", session_idle_timeout_s=0)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://radixkv")
         client = openai.AsyncOpenAI(base_url="http://radixkv/v1", api_key="-", http_client=http)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_SIZES
+from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
 
@@ -28,7 +29,6 @@ from radixkv.cli import main
 from radixkv.errors import TensorParallelError
 from radixkv.model.loader import build_random_model
 from radixkv.model.parallel_runner import ParallelRunner
-from radixkv.model.runner import SequenceChunk
 from radixkv.model.tensor_parallel import plan_shards
 from radixkv.model.tokenizer import build_byte_tokenizer
 

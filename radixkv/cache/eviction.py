@@ -16,7 +16,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
@@ -26,9 +26,26 @@ from radixkv.errors import InvariantError
 if TYPE_CHECKING:
     from sortedcontainers import SortedKeyList
 
-    from radixkv.cache.radix_cache import RadixNode
 
-Rekey = Callable[["RadixNode", Callable[["RadixNode"], None]], None]
+class EvictableNode(Protocol):
+    """What a policy sees of a radix tree node (`radixkv.cache.radix_cache.RadixNode`): its edge
+    (`start`, `tokens`, `end`), its blocks, the statistics the tree keeps, and `priority`, the
+    one field a policy writes. Policies are typed against this, not the tree, so the tree imports
+    them and not the other way round."""
+
+    start: int
+    tokens: list[int]
+    blocks: list[int]
+    last_access: int
+    hits: int
+    session: str | None
+    priority: Any
+
+    @property
+    def end(self) -> int: ...
+
+
+Rekey = Callable[[EvictableNode, Callable[[EvictableNode], None]], None]
 
 
 class EvictionPolicy:
@@ -37,27 +54,27 @@ class EvictionPolicy:
     name: str
     keys_blocks = False  # whether a leaf's key is its last block's own: then trim one at a time
 
-    def key(self, node: RadixNode) -> Any:
+    def key(self, node: EvictableNode) -> Any:
         """Sort key of an evictable leaf; the smallest is evicted first. It may read only what
         changes through `touched` (and `RadixCache.set_session_live`, which re-keys)."""
         raise NotImplementedError
 
-    def touched(self, node: RadixNode) -> None:
+    def touched(self, node: EvictableNode) -> None:
         """`node` was created, matched or extended; its statistics are already updated."""
 
-    def evicted(self, node: RadixNode) -> None:
+    def evicted(self, node: EvictableNode) -> None:
         """The tree is about to evict blocks from the leaf `node` (the one with the smallest key)."""
 
-    def trimmed(self, node: RadixNode) -> None:
+    def trimmed(self, node: EvictableNode) -> None:
         """Eviction cut blocks off the tail of the leaf `node`, which stays evictable."""
 
     def sized(self, num_blocks: int, block_size: int) -> None:
         """The cache's device pool: `num_blocks` blocks of `block_size` tokens."""
 
-    def entered(self, node: RadixNode) -> None:
+    def entered(self, node: EvictableNode) -> None:
         """`node` joined the evictable leaves (its key and blocks are fixed until it `left`)."""
 
-    def left(self, node: RadixNode) -> None:
+    def left(self, node: EvictableNode) -> None:
         """`node` left the evictable leaves, as it was when it `entered`."""
 
     def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> None:
@@ -74,7 +91,7 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
-    def key(self, node: RadixNode) -> int:
+    def key(self, node: EvictableNode) -> int:
         return node.last_access
 
 
@@ -83,7 +100,7 @@ class LFU(EvictionPolicy):
 
     name = "lfu"
 
-    def key(self, node: RadixNode) -> tuple[int, int]:
+    def key(self, node: EvictableNode) -> tuple[int, int]:
         return (node.hits, node.last_access)
 
 
@@ -103,14 +120,14 @@ class GDSF(EvictionPolicy):
         self.inflation = 0.0
         self.attention_tokens = attention_tokens
 
-    def key(self, node: RadixNode) -> tuple[float, int]:
+    def key(self, node: EvictableNode) -> tuple[float, int]:
         return (node.priority, node.last_access)
 
-    def touched(self, node: RadixNode) -> None:
+    def touched(self, node: EvictableNode) -> None:
         cost = 1.0 + node.end / self.attention_tokens
         node.priority = self.inflation + (node.hits + 1) * cost
 
-    def evicted(self, node: RadixNode) -> None:
+    def evicted(self, node: EvictableNode) -> None:
         self.inflation = max(self.inflation, node.priority)
 
 
@@ -127,7 +144,7 @@ class SessionAware(EvictionPolicy):
     def __init__(self) -> None:
         self.live: set[str] = set()
 
-    def key(self, node: RadixNode) -> tuple[bool, int]:
+    def key(self, node: EvictableNode) -> tuple[bool, int]:
         return (node.session in self.live, node.last_access)
 
 
@@ -213,11 +230,11 @@ class Adaptive(EvictionPolicy):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.sketch = FrequencySketch(1 << max(num_blocks - 1, 63).bit_length())
 
-    def key(self, node: RadixNode) -> tuple[int, int]:
+    def key(self, node: EvictableNode) -> tuple[int, int]:
         entry = node.priority
         return (entry.segment, entry.stamp)
 
-    def touched(self, node: RadixNode) -> None:
+    def touched(self, node: EvictableNode) -> None:
         entry = node.priority
         self.clock = max(self.clock, node.last_access)
         if not isinstance(entry, _Entry):  # a new leaf: its blocks were computed
@@ -237,7 +254,7 @@ class Adaptive(EvictionPolicy):
             stamp = node.last_access
         node.priority = _Entry(segment, stamp, node.hits, node.start, key)
 
-    def evicted(self, node: RadixNode) -> None:
+    def evicted(self, node: EvictableNode) -> None:
         key = node.priority.key if node.priority.start == node.start else self._content_key(node)
         self._forget(key)
         rejected = node.priority.segment == EVICT and self._loser_rejected
@@ -246,10 +263,10 @@ class Adaptive(EvictionPolicy):
         if len(self.ghosts) > self.num_blocks:
             self._forget(next(iter(self.ghosts)))
 
-    def entered(self, node: RadixNode) -> None:
+    def entered(self, node: EvictableNode) -> None:
         self.sizes[node.priority.segment] += len(node.blocks)
 
-    def left(self, node: RadixNode) -> None:
+    def left(self, node: EvictableNode) -> None:
         self.sizes[node.priority.segment] -= len(node.blocks)
 
     def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> None:
@@ -292,26 +309,26 @@ class Adaptive(EvictionPolicy):
 
     # ------------------------------------------------------------ internals
 
-    def _first(self, leaves: SortedKeyList, segment: int) -> RadixNode:
+    def _first(self, leaves: SortedKeyList, segment: int) -> EvictableNode:
         """The least recent evictable leaf of `segment`, which holds some."""
         return leaves[leaves.bisect_key_left(((segment,),))]
 
-    def _move_to(self, segment: int) -> Callable[[RadixNode], None]:
-        def move(node: RadixNode) -> None:
+    def _move_to(self, segment: int) -> Callable[[EvictableNode], None]:
+        def move(node: EvictableNode) -> None:
             node.priority = node.priority._replace(segment=segment, stamp=self.clock)
 
         return move
 
-    def _frequency(self, node: RadixNode) -> int:
+    def _frequency(self, node: EvictableNode) -> int:
         entry = node.priority
         return self.sketch.estimate(entry.key if entry.start == node.start else self._content_key(node))
 
-    def _content_key(self, node: RadixNode) -> int:
+    def _content_key(self, node: EvictableNode) -> int:
         """The content key of `node`'s first block (partly filled or whole)."""
         head = array("q", node.tokens[: self.block_size]).tobytes()
         return xxhash.xxh3_64_intdigest(head, seed=node.start)
 
-    def _returned(self, node: RadixNode, key: int) -> None:
+    def _returned(self, node: EvictableNode, key: int) -> None:
         """A new leaf that was evicted lately moves the window toward the side that erred, by
         its blocks times the ratio of the other side's ghosts to its own (ARC's balance)."""
         rejected = self._forget(key)

@@ -389,11 +389,13 @@ class KVCacheManager:
         for node in self._swapped.pop(owner, ()):
             self.cache.unpin(node)
 
-    def preempt(self, table: BlockTable, tokens: list[int]) -> None:
+    def preempt(self, table: BlockTable, tokens: list[int], num_computed: int | None = None) -> None:
         """Caches and releases a preempted sequence's table; in `swap` mode also moves its
-        computed KV to the host tier and pins it there for the owner (see `swap_in`)."""
-        computed, owner, offset = table.num_tokens, table.owner, table.key_offset
-        self.cache_finished(table, tokens)
+        computed KV to the host tier and pins it there for the owner (see `swap_in`).
+        `num_computed` as in `cache_finished`."""
+        computed = table.num_tokens if num_computed is None else num_computed
+        owner, offset = table.owner, table.key_offset
+        self.cache_finished(table, tokens, computed)
         if self.preemption_mode == "swap" and owner is not None and computed:
             node, moved = self.cache.swap_out(salted(tokens[:computed], offset))
             self.num_swapped_out_blocks += moved
@@ -419,21 +421,25 @@ class KVCacheManager:
     def num_live_tables(self) -> int:
         return sum(len(tables) for tables in self._live.values())
 
-    def cache_finished(self, table: BlockTable, tokens: list[int]) -> None:
+    def cache_finished(self, table: BlockTable, tokens: list[int], num_computed: int | None = None) -> None:
         """Caches the sequence's computed tokens (a finished or preempted sequence), then
-        releases the table: its next turn, or its own resumption, finds them."""
-        if self.cache is not None and table.num_tokens:
-            keys = salted(tokens[: table.num_tokens], table.key_offset)
+        releases the table: its next turn, or its own resumption, finds them. `num_computed`
+        (default: every slot of the table) leaves out slots a step in flight still computes."""
+        computed = table.num_tokens if num_computed is None else num_computed
+        if self.cache is not None and computed:
+            keys = salted(tokens[:computed], table.key_offset)
             self.cache.insert(keys, table.blocks, table.session, table.extra)
         self.release(table)
 
-    def cache_running(self, table: BlockTable, tokens: list[int]) -> None:
+    def cache_running(self, table: BlockTable, tokens: list[int], num_computed: int | None = None) -> None:
         """Caches the whole blocks of a sequence that keeps running, so that requests waiting
         on the same new prefix hit it now. The table moves its lock to the new path and swaps
-        any duplicate block for the cache's own (freeing the duplicate)."""
+        any duplicate block for the cache's own (freeing the duplicate). `num_computed` as in
+        `cache_finished`."""
         if self.cache is None:
             return
-        full = table.num_tokens - table.num_tokens % self.block_size
+        computed = table.num_tokens if num_computed is None else num_computed
+        full = computed - computed % self.block_size
         locked = table.node.end if table.node is not None else 0
         if full <= locked:
             return

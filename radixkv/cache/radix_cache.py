@@ -368,8 +368,8 @@ class RadixCache:
         return InsertResult(num_cached, redundant)
 
     def _save(self, tokens: list[int], blocks: list[int], cached: list[int], first: int) -> None:
-        """Queues for the store the full blocks from `first` on that the tree took from `blocks`.
-        Keyed unsalted: inserts carry no cache salt yet (`KeySpace.block_keys` takes one)."""
+        """Queues for the store the full blocks from `first` on that the tree took from `blocks`,
+        keyed by `tokens` as the tree holds them (a salted request's are salted)."""
         full = len(tokens) // self.block_size
         keys = self.store_keys.block_keys(tokens, full)
         new = [i for i in range(first, full) if i < len(cached) and cached[i] == blocks[i]]

@@ -56,7 +56,7 @@ class EngineReplica:
         from radixkv import AsyncEngine
         from radixkv.server.app import build_app
 
-        self.engine = AsyncEngine(config)
+        self.engine = AsyncEngine(config, engine_process=False)  # Ray supervises the replica itself
         self.app = build_app(
             self.engine,
             model_name,

@@ -7,13 +7,16 @@ here (`save`); a writer thread checksums them and puts them in batches. The queu
 counted as dropped writes. `close()` drains the queue first, so what a run computed is in the
 store when the process ends cleanly.
 
-Reads, in two steps per request, both on a reader thread and both polled at admission:
+Reads, in two steps per request, both on a reader thread:
 1. `lookup(tokens)` at submission: the keys of the prompt's full blocks and one batched
    existence check (cheap, and it overlaps the step in flight).
 2. At admission (`poll`), once the radix tree's match is known: a fetch of the run of present
    blocks that continues it, and only that run. Blocks the device or host tier hold are never
-   read. The request waits for the fetch (other requests are admitted meanwhile) until it lands
-   or `timeout_s` passes; then it goes on with whatever arrived.
+   read. When the existence check is still running at the first poll, the match is left with
+   it and the reader thread goes straight on to the fetch: one handoff between threads, not
+   two, before the request can be admitted. The request waits for the fetch (other requests
+   are admitted meanwhile) until it lands or `timeout_s` passes; then it goes on with whatever
+   arrived.
 A backend error is a miss: it is logged once, counted, and the store is skipped for `retry_s`
 (every lookup then resolves at once, empty, and writes are dropped), so a store that is down
 costs nothing per request. A damaged entry (`CorruptEntry`) is a miss too, counted apart.
@@ -56,12 +59,12 @@ class StoreLookup:
     """One prompt's way through the store: keys, which exist, then a fetched run."""
 
     tokens: list[int]
-    salt: str | None
     deadline: float
     keys: list[bytes] | None = None
     present: list[bool] | None = None
     run: StoredRun | None = None  # fetched (or given up on: empty)
     fetch_from: int | None = None  # a fetch from this block is in flight
+    want_from: int | None = None  # the tree's match when last polled: the fetch to chain
     busy: bool = True  # a background step is in flight
     done: bool = False  # resolved: `run` is final
 
@@ -155,9 +158,10 @@ class KVStore:
 
     # ------------------------------------------------------------------- reads
 
-    def lookup(self, tokens: list[int], salt: str | None = None) -> StoreLookup:
-        """Starts looking up the full blocks of `tokens` (a prompt without its last token)."""
-        lookup = StoreLookup(list(tokens), salt, time.monotonic() + self.timeout_s)
+    def lookup(self, tokens: list[int]) -> StoreLookup:
+        """Starts looking up the full blocks of `tokens` (a prompt without its last token, as the
+        cache keys it: salted)."""
+        lookup = StoreLookup(list(tokens), time.monotonic() + self.timeout_s)
         if self._down() or len(tokens) < self.keyspace.block_size:
             self._resolve(lookup, StoredRun(0))
         else:
@@ -167,31 +171,42 @@ class KVStore:
     def poll(self, lookup: StoreLookup, start_block: int, wait_s: float = 0.0) -> StoredRun | None:
         """At admission, with the tree matching `start_block` whole blocks: the run of stored
         blocks that continues the match (fetched, perhaps empty), or None while the request must
-        wait for the store. Waits at most `wait_s` for each background step (an existence check
-        or a short fetch usually takes well under it, and the request then goes this step)."""
-        self._settle(lookup, wait_s)
-        if lookup.done:
-            return lookup.run
-        if lookup.busy:  # the store's answer is due by the deadline (the engine's pace is not its)
-            if time.monotonic() <= lookup.deadline:
-                return None
-            self._slow()
-            return self._resolve(lookup, StoredRun(start_block))
+        wait for the store. Waits at most `wait_s` in all, for the existence check and the fetch
+        (each usually takes well under a millisecond on a local disk; the request then goes
+        this step)."""
+        end = time.monotonic() + wait_s
+        with self._changed:
+            while not lookup.done:
+                if not lookup.busy:  # which blocks exist is known: fetch what continues the match
+                    keys = self._begin_fetch(lookup, start_block)
+                    if keys:
+                        self._reader.submit(self._fetch, lookup, start_block, keys)
+                    continue
+                if lookup.fetch_from is None:  # the existence check chains the fetch from here
+                    lookup.want_from = start_block
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if lookup.done:
+                return lookup.run
+        if time.monotonic() <= lookup.deadline:  # due by then (the engine's pace is not the store's)
+            return None
+        self._slow()
+        return self._resolve(lookup, StoredRun(start_block))
+
+    def _begin_fetch(self, lookup: StoreLookup, start_block: int) -> list[bytes]:
+        """Under `_changed`: the keys of the present run from `start_block` on, marked as being
+        fetched; none (and the lookup resolved, empty) when there is no such run."""
         present = lookup.present[start_block:]
         n = next((i for i, p in enumerate(present) if not p), len(present))
         self.miss_blocks += len(present) - n
         if n == 0:
-            return self._resolve(lookup, StoredRun(start_block))
+            self._resolve(lookup, StoredRun(start_block))
+            return []
         lookup.busy, lookup.fetch_from = True, start_block
         lookup.deadline = time.monotonic() + self.timeout_s
-        self._reader.submit(self._fetch, lookup, start_block, lookup.keys[start_block : start_block + n])
-        self._settle(lookup, wait_s)
-        return lookup.run if lookup.done else None
-
-    def _settle(self, lookup: StoreLookup, wait_s: float) -> None:
-        if lookup.busy and wait_s > 0:
-            with self._changed:
-                self._changed.wait_for(lambda: not lookup.busy, wait_s)
+        return lookup.keys[start_block : start_block + n]
 
     def wait(self, timeout_s: float) -> None:
         """Returns when a lookup advances, or after `timeout_s`."""
@@ -200,13 +215,21 @@ class KVStore:
 
     def _exists(self, lookup: StoreLookup) -> None:
         try:
-            keys = self.keyspace.block_keys(lookup.tokens, len(lookup.tokens), lookup.salt)
+            keys = self.keyspace.block_keys(lookup.tokens, len(lookup.tokens))
             present = self.backend.exists(keys)
-            lookup.keys, lookup.present = keys, present
-            self._advance(lookup)
         except Exception as exc:
             self._failed(exc)
             self._resolve(lookup, StoredRun(0))
+            return
+        with self._changed:
+            lookup.keys, lookup.present = keys, present
+            start = lookup.want_from
+            fetch = self._begin_fetch(lookup, start) if start is not None and not lookup.done else []
+            if start is None:
+                lookup.busy = False
+            self._changed.notify_all()
+        if fetch:
+            self._fetch(lookup, start, fetch)
 
     def _fetch(self, lookup: StoreLookup, first: int, keys: list[bytes]) -> None:
         blocks = []
@@ -226,11 +249,6 @@ class KVStore:
         self.hit_blocks += len(blocks)
         self.miss_blocks += len(keys) - len(blocks)
         self._resolve(lookup, StoredRun(first, blocks))
-
-    def _advance(self, lookup: StoreLookup) -> None:
-        with self._changed:
-            lookup.busy = False
-            self._changed.notify_all()
 
     def _resolve(self, lookup: StoreLookup, run: StoredRun) -> StoredRun:
         with self._changed:

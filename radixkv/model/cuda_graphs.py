@@ -22,16 +22,30 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from radixkv.kernels.launch_plan import GPU_MAX_SPLITS, GPU_MIN_KEYS_PER_SPLIT, plan_attention_gpu
 from radixkv.model.attention_backend import PagedBatch
+from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch
 
-if TYPE_CHECKING:
-    from radixkv.model.runner import ModelRunner
+
+class GraphedRunner(Protocol):
+    """What the graphs read of the runner they capture for (`radixkv.model.runner.ModelRunner`,
+    which builds them, so this module cannot import it): its model and shapes, and the
+    attention inputs it plans for a step."""
+
+    loaded: LoadedModel
+    model: torch.nn.Module
+    device: torch.device
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def paged_batch(self, step: HostBatch) -> PagedBatch: ...
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -76,7 +90,7 @@ def graph_routes(
 class DecodeGraphs:
     """Captured decode forwards of one runner, by bucket, all captured at start (`capture_all`)."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+    def __init__(self, runner: GraphedRunner, max_num_seqs: int) -> None:
         self.runner = runner
         self.buckets = graph_buckets(max_num_seqs)
         device = runner.device

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from radixkv.model.loader import LoadedModel
+from radixkv.scheduler.chunk import SequenceChunk
 
 
 def kv_cache_budget(
@@ -108,7 +109,7 @@ def profile_peak_memory(
     loaded: LoadedModel, block_size: int, max_num_batched_tokens: int, max_model_len: int
 ) -> int:
     """Peak bytes allocated by torch during one forward of `max_num_batched_tokens` prompt tokens."""
-    from radixkv.model.runner import ModelRunner, SequenceChunk  # the runner imports this module's siblings
+    from radixkv.model.runner import ModelRunner  # the runner imports this module's siblings
 
     device = loaded.device
     per_seq = max(1, max_model_len - 1)

@@ -51,7 +51,7 @@ from radixkv.config import EngineConfig
 from radixkv.errors import TensorParallelError
 from radixkv.model.loader import LoadedModel
 from radixkv.model.memory_profile import kv_cache_budget
-from radixkv.model.runner import ModelRunner, SequenceChunk
+from radixkv.model.runner import ModelRunner
 from radixkv.model.tensor_parallel import load_whole, plan_shards, shard_model
 from radixkv.model.tp_group import (
     COLLECTIVE_TIMEOUT,
@@ -63,6 +63,7 @@ from radixkv.model.tp_group import (
     rank_device,
 )
 from radixkv.model.tp_worker import Allocate, Profile, Step, TransferKind, worker_main
+from radixkv.scheduler.chunk import SequenceChunk
 
 STARTUP_TIMEOUT_S = 600.0  # a worker loads the whole checkpoint before it answers
 ERROR_GRACE_S = 5.0  # how long workers get to report the error rank 0 hit before it is fatal
@@ -155,7 +156,9 @@ class ParallelRunner:
         local = self._runner()
         # Plain chunks for the other ranks: a subclass (the scheduler's ScheduledSeq) carries its
         # request, which stays here.
-        plain = [SequenceChunk(c.token_ids, c.start_pos, c.block_table, c.logits) for c in chunks]
+        plain = [
+            SequenceChunk(c.token_ids, c.start_pos, c.block_table, c.logits, c.group_tables) for c in chunks
+        ]
         self._send(pickle.dumps(Step(self._transfers, plain)))
         self._transfers = []
         try:

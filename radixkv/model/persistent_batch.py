@@ -18,13 +18,12 @@ the device tensors are views of it. Nothing here waits for the device.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from radixkv.model.runner import SequenceChunk
+from radixkv.scheduler.chunk import SequenceChunk
 
 _ALIGN = 4
 """int32 elements in 16 bytes: the alignment each part of the packed step tensor starts on."""

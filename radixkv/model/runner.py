@@ -9,9 +9,6 @@ logits go through `lm_head`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 
 from radixkv import kernels
@@ -24,26 +21,7 @@ from radixkv.model.layered_load import LayeredLoad, send
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
 from radixkv.model.stored_kv import block_payloads, gather_blocks, stage_payloads
-
-
-@dataclass(slots=True)
-class SequenceChunk:
-    """One sequence's work in one step.
-
-    `token_ids` are the new tokens whose KV is computed now, starting at position `start_pos`
-    (= tokens already in this sequence's KV cache). `block_table` lists physical blocks covering
-    positions `[0, start_pos + len(token_ids))`. `logits` picks the rows returned: the last new
-    token (`"last"`), every new token (`"all"`) or none (`"none"`, a prefill chunk mid-prompt).
-    `group_tables`: with KV groups (`radixkv.cache.kv_groups`), the tables of groups 1.., each
-    as long as `block_table` (`BlockTable.extra`); `ModelRunner.scratch_groups` gives scratch
-    ones to a forward whose KV is never read back (warm-up, profiling, benchmarks).
-    """
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    logits: Literal["last", "all", "none"] = "last"
-    group_tables: list[list[int]] = field(default_factory=list)
+from radixkv.scheduler.chunk import SequenceChunk
 
 
 def kv_block_bytes(
@@ -167,11 +145,23 @@ class ModelRunner:
         outside the cache or a sequence longer than the model's `max_model_len`, and
         RuntimeError once the runner is closed.
         """
+        return self.execute(self.prepare(chunks))
+
+    def prepare(self, chunks: list[SequenceChunk]) -> HostBatch:
+        """The first half of `forward`: the chunks' inputs, built on the host and sent to the
+        device. With host/device overlap the engine prepares a step while the one before runs."""
+        if self.closed:
+            raise RuntimeError("the model runner is closed")
+        return self.batch.prepare(chunks)
+
+    @torch.inference_mode()
+    def execute(self, step: HostBatch) -> torch.Tensor:
+        """The second half of `forward`: runs the model on prepared inputs (the pending loads
+        written layer by layer); returns the logits."""
         if self.closed:
             raise RuntimeError("the model runner is closed")
         load = self.pending_load
         try:
-            step = self.batch.prepare(chunks)
             if self.graphs is not None and self.graphs.fits(step):
                 if load is not None:  # a replay reads every layer, without calling back here
                     self._finish_early()
@@ -199,7 +189,7 @@ class ModelRunner:
         launches = plan_paged_attention(
             step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size,
+            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
         )
         return PagedBatch(
             k_caches=self.k_caches,

@@ -30,9 +30,10 @@ from torch import nn
 from radixkv.config import EngineConfig
 from radixkv.model.loader import LoadedModel
 from radixkv.model.memory_profile import kv_cache_budget
-from radixkv.model.runner import ModelRunner, SequenceChunk
+from radixkv.model.runner import ModelRunner
 from radixkv.model.tensor_parallel import load_whole, plan_shards, shard_model
 from radixkv.model.tp_group import all_reducer, connect, rank_device
+from radixkv.scheduler.chunk import SequenceChunk
 
 
 class Allocate(NamedTuple):

@@ -17,6 +17,7 @@ from typing import Any
 from radixkv.conversation import render_chat
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import ChatMessage
+from radixkv.server.tools import template_message
 
 
 class ReplyStore:
@@ -48,16 +49,23 @@ class ReplyStore:
 
 
 def chat_prompt_ids(
-    tokenizer: Any, messages: list[ChatMessage], replies: ReplyStore, namespace: str | None = None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    replies: ReplyStore,
+    namespace: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt ids for a chat request: the template with the generation prompt, known
-    assistant replies of the same cache namespace as their generated ids."""
+    """The prompt ids for a chat request: the template (given `tools`, if any) with the
+    generation prompt, known plain assistant replies of the same cache namespace as their
+    generated ids (a reply that made tool calls is rendered by the template from its calls)."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError.bad_request("messages", "this model has no chat template: use /v1/completions")
-    plain = [{"role": m.role, "content": m.text} for m in messages]
+    shown = [template_message(m) for m in messages]
     known = {
         i: ids
-        for i, m in enumerate(plain)
-        if m["role"] == "assistant" and (ids := replies.get(m["content"], namespace))
+        for i, m in enumerate(shown)
+        if m["role"] == "assistant"
+        and "tool_calls" not in m
+        and (ids := replies.get(m["content"], namespace))
     }
-    return render_chat(tokenizer, plain, known)
+    return render_chat(tokenizer, shown, known, tools)

@@ -26,11 +26,13 @@ from radixkv.sampling_params import SamplingParams, sample_seed
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
 from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
-from radixkv.server.params import beam_params, max_tokens, renames, sampling_params
+from radixkv.server.params import Structured, beam_params, max_tokens, renames, sampling_params, structured
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.request_ids import request_id as scope_request_id
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
+from radixkv.server.tools import ToolStream, template_tools
+from radixkv.server.tools import parse as parse_tool_calls
 
 log = logging.getLogger("radixkv.server")
 
@@ -50,12 +52,17 @@ async def create(
     engine = state.engine
     if not engine.is_alive():
         raise _engine_dead()
+    asked = None if body.use_beam_search else structured(body)  # beam_params refuses it
+    if asked is not None:
+        await _compile(engine, asked)
+    spec = asked.spec if asked is not None else None
+    tools = template_tools(body.tools) if chat and body.tools and body.tool_choice != "none" else None
     tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
     # Templates and tokenization run in worker threads, after a length check that needs neither:
     # the event loop stays free for every other client however long a prompt is.
     if chat:
         state.check_text_length(sum(len(m.text) for m in body.messages), "messages")
-        render = (chat_prompt_ids, engine.tokenizer, body.messages, state.replies, tags.cache_salt)
+        render = (chat_prompt_ids, engine.tokenizer, body.messages, state.replies, tags.cache_salt, tools)
         prompts = [await asyncio.to_thread(*render)]
         default = max(1, engine.max_model_len - len(prompts[0]))
     else:
@@ -78,7 +85,9 @@ async def create(
             seed = body.seed
 
             def sample_params(i: int) -> SamplingParams:
-                return sampling_params(body, tokens, n=1, seed=None if seed is None else sample_seed(seed, i))
+                return sampling_params(
+                    body, tokens, n=1, seed=None if seed is None else sample_seed(seed, i), spec=spec
+                )
 
             streams = ChoiceStreams.open(
                 engine,
@@ -89,7 +98,10 @@ async def create(
                 tags,
             )
         else:
-            params = beam_params(body, tokens) if body.use_beam_search else sampling_params(body, tokens)
+            if body.use_beam_search:
+                params = beam_params(body, tokens)
+            else:
+                params = sampling_params(body, tokens, spec=spec)
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
@@ -97,7 +109,7 @@ async def create(
     if body.stream:
         events = _events(
             state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
-            continuous=body.continuous_usage,
+            continuous=body.continuous_usage, tools=tools is not None,
         )
 
         async def end_stream() -> None:
@@ -118,7 +130,29 @@ async def create(
     if chat and state.replies is not None:
         for choice in finished.choices:
             state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
+    if tools is not None:
+        for choice in finished.choices:
+            _take_tool_calls(choice)
     return JSONResponse(fmt.response(finished.choices, finished.usage))
+
+
+async def _compile(engine: Any, asked: Structured) -> None:
+    """Compiles (and so caches, for the engine) the body's grammar in a worker thread: an
+    invalid schema, regex or grammar is a 400 naming the field that asked for it."""
+    try:
+        await asyncio.to_thread(engine.grammars.check, asked.spec)
+    except ValueError as e:
+        raise APIError.bad_request(asked.field, str(e)) from e
+
+
+def _take_tool_calls(choice: Choice) -> None:
+    """The reply's tool calls out of its text (`tools.parse`); a reply that made calls and was
+    not cut short finishes with "tool_calls"."""
+    parsed = parse_tool_calls(choice.text)
+    if parsed.calls:
+        choice.text, choice.tool_calls = parsed.content, parsed.calls
+        if choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
 
 
 def _prompt_ids(engine: Any, prompt: str | list[int]) -> str | list[int]:
@@ -137,6 +171,8 @@ async def _engine_errors(work: Awaitable[Finished], body: Any, rid: str) -> Fini
     except ValueError as e:
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     except RequestError as e:
+        if isinstance(e.__cause__, EngineDeadError):  # the core died under it
+            raise _engine_dead() from e
         raise _step_failed(e, rid) from e
     except EngineDeadError as e:
         raise _engine_dead() from e
@@ -185,11 +221,14 @@ async def _events(
     tags: Tags,
     *,
     continuous: bool = False,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), each with the
-    usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. An engine
-    failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
+    usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
+    `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
+    engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
     opened: set[int] = set()
+    parsers: dict[int, ToolStream] = {}
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
     try:
@@ -198,9 +237,17 @@ async def _events(
             reply = ids.setdefault(index, [])
             if delta.token_id is not None:  # None: a closing delta, no token
                 reply.append(delta.token_id)
-            if not delta.text and delta.finish_reason is None and delta.logprobs is None:
-                continue  # held back (part of a character, or maybe a stop string)
-            choice = Choice(index, delta.text, delta.finish_reason, delta.logprobs)
+            text, calls, finish = delta.text, None, delta.finish_reason
+            if tools:
+                parser = parsers.setdefault(index, ToolStream())
+                piece = parser.feed(delta.text)
+                if finish is not None:
+                    piece.content += parser.finish().content
+                    finish = "tool_calls" if parser.called and finish == "stop" else finish
+                text, calls = piece.content, piece.calls or None
+            if not text and not calls and finish is None and delta.logprobs is None:
+                continue  # held back (part of a character, or maybe a stop string or tool call)
+            choice = Choice(index, text, finish, delta.logprobs, tool_calls=calls)
             chunk = fmt.chunk(choice, first=chat and index not in opened)
             if continuous:
                 chunk["usage"] = streams.usage.as_dict()
@@ -213,7 +260,8 @@ async def _events(
             for index, pieces in texts.items():
                 state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
-        yield _sse(_step_failed(e, rid).body())
+        dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
+        yield _sse((_engine_dead() if dead else _step_failed(e, rid)).body())
         yield "data: [DONE]\n\n"
     except EngineDeadError:
         yield _sse(_engine_dead().body())

@@ -10,6 +10,14 @@ Keys: `--api-key` may be given several times and `--api-key-file` names a file o
 line (blank lines and `#` comments skipped); keys must be printable ASCII, checked before the
 model loads. `--cache-isolation per-key` gives each key a cache namespace of its own.
 
+The engine core runs in a process of its own (`radixkv.engine_process`); `--no-engine-process`
+keeps it in this one, stepped by a thread (for debugging). If the core process dies (a crash,
+SIGKILL, the OOM killer), every open request fails at once (a stream ends with an error event),
+`/health` answers 503 and the server exits with status 1 within `DEATH_CHECK_S` plus the time
+its open connections take to close, so that its supervisor restarts it. On SIGTERM the core
+and its tensor-parallel workers are stopped before the process exits; a core whose server is
+killed exits by itself.
+
 Chat sessions (the `session_id` extra) end after `--session-idle-timeout` idle seconds or at
 `DELETE /v1/sessions/{id}` (`radixkv.server.sessions`).
 """
@@ -31,6 +39,9 @@ STREAM_CLOSE_GRACE_S = 2.0
 """After the engine aborts what runs at the end of `--graceful-timeout`, the seconds its streams
 get to send their last chunks before uvicorn cancels them."""
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEATH_CHECK_S = 0.2
+"""How often the server looks at whether its engine still lives."""
+EXIT_ENGINE_DIED = 1
 
 
 def read_api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -85,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close a chat session (the session_id extra) after this many idle seconds; 0: only "
         "DELETE /v1/sessions/ID closes it",
     )
+    parser.add_argument(
+        "--no-engine-process", action="store_true",
+        help="run the engine core in the server's process (a thread) rather than its own process",
+    )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -106,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config, engine_process=not args.no_engine_process)
     app = build_app(
         engine,
         args.served_model_name or args.model,
@@ -120,9 +135,22 @@ def run(args: argparse.Namespace) -> int:
     class Server(uvicorn.Server):
         """uvicorn's server, ending open streams at the graceful deadline (module docstring)."""
 
+        engine_died = False
+
         async def startup(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
+            self.watch = asyncio.create_task(self.watch_engine())
+
+        async def watch_engine(self) -> None:
+            """Stops the server when the engine dies (its requests have already failed)."""
+            while not self.should_exit:
+                if not engine.is_alive():
+                    logging.getLogger("radixkv.server").error("the engine died; the server exits")
+                    self.engine_died = True
+                    self.should_exit = True
+                    return
+                await asyncio.sleep(DEATH_CHECK_S)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit and hasattr(self, "loop"):
@@ -144,4 +172,4 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     print(f"radixkv serve: {config.model} on http://{args.host}:{args.port}/v1", flush=True)
     server.run()
-    return 0
+    return EXIT_ENGINE_DIED if server.engine_died else 0

@@ -8,9 +8,14 @@ with their names rather than ignored.
 
 from __future__ import annotations
 
+import json
+from typing import NamedTuple
+
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.tools import forced_grammar
+from radixkv.structured import StructuredOutputs
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -48,9 +53,70 @@ def renames(body: Body) -> dict[str, str]:
     return names
 
 
-def sampling_params(body: Body, tokens: int, n: int | None = None, seed: int | None = None) -> SamplingParams:
-    """The body's sampling, for `n` samples (default the body's) with `seed` (default the body's).
-    Raises ValueError naming an engine field."""
+class Structured(NamedTuple):
+    spec: StructuredOutputs
+    field: str  # the body field that asked for it, named by a 400
+
+
+def structured(body: Body) -> Structured | None:
+    """What the body's output must match, from whichever one field asks: `response_format`
+    (json_object, json_schema), vLLM's `structured_outputs` or its older `guided_*`, or a chat
+    `tool_choice` of `required` or a named function (`tools.forced_grammar`). Two at once is a
+    400 naming the second."""
+    asked: list[Structured] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(Structured(StructuredOutputs(json_object=True), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError.bad_request("response_format", "response_format json_schema needs json_schema")
+        schema = rf.json_schema.schema_
+        spec = StructuredOutputs(json_object=True)
+        if schema is not None:
+            spec = StructuredOutputs(json=json.dumps(schema))
+        asked.append(Structured(spec, "response_format"))
+    so = body.structured_outputs
+    if so is not None:
+        schema = so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
+        spec = StructuredOutputs(
+            json=schema,
+            json_object=bool(so.json_object),
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+        )
+        asked.append(Structured(spec, "structured_outputs"))
+    if body.guided_json is not None:
+        schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        asked.append(Structured(StructuredOutputs(json=schema), "guided_json"))
+    if body.guided_regex is not None:
+        asked.append(Structured(StructuredOutputs(regex=body.guided_regex), "guided_regex"))
+    if body.guided_choice is not None:
+        asked.append(Structured(StructuredOutputs(choice=body.guided_choice), "guided_choice"))
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat and body.tools and body.tool_choice not in (None, "auto", "none"):
+        grammar = forced_grammar(body.tools, body.tool_choice)
+        asked.append(Structured(StructuredOutputs(grammar=grammar), "tool_choice"))
+    if len(asked) > 1:
+        first, second = asked[0].field, asked[1].field
+        raise APIError.bad_request(second, f"{second} cannot be combined with {first}")
+    if asked:
+        try:
+            asked[0].spec.validate()
+        except ValueError as e:
+            raise APIError.bad_request(asked[0].field, str(e)) from e
+    return asked[0] if asked else None
+
+
+def sampling_params(
+    body: Body,
+    tokens: int,
+    n: int | None = None,
+    seed: int | None = None,
+    spec: StructuredOutputs | None = None,
+) -> SamplingParams:
+    """The body's sampling, for `n` samples (default the body's) with `seed` (default the body's),
+    following `spec` (see `structured`). Raises ValueError naming an engine field."""
     return SamplingParams(
         max_tokens=tokens,
         temperature=body.temperature,
@@ -69,6 +135,7 @@ def sampling_params(body: Body, tokens: int, n: int | None = None, seed: int | N
         logit_bias=_logit_bias(body.logit_bias),
         min_p=body.min_p,
         min_tokens=body.min_tokens,
+        structured_outputs=spec,
     )
 
 
@@ -100,6 +167,9 @@ def beam_params(body: Body, tokens: int) -> BeamSearchParams:
     for name, off in SAMPLING_ONLY.items():
         if getattr(body, name) not in (off, {}):
             raise APIError.bad_request(name, f"{name} is not supported with use_beam_search")
+    asked = structured(body)
+    if asked is not None:
+        raise APIError.bad_request(asked.field, f"{asked.field} is not supported with use_beam_search")
     if num_logprobs(body) is not None or num_prompt_logprobs(body) is not None:
         name = "logprobs" if num_logprobs(body) is not None else "prompt_logprobs"
         raise APIError.bad_request(name, f"{name} is not supported with use_beam_search")

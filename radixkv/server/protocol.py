@@ -13,8 +13,11 @@ server does.
 Extras beside OpenAI's fields, spelled as vLLM spells them: `top_k`, `ignore_eos`,
 `stop_token_ids`, `use_beam_search` (with `n` beams, `length_penalty`, `early_stopping`),
 `return_tokens_as_token_ids` (logprob tokens as "token_id:N"), `session_id` (the request is
-a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`), and
-`cache_salt` (the request shares cached blocks only with requests of the same salt).
+a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`),
+`cache_salt` (the request shares cached blocks only with requests of the same salt), and
+`structured_outputs` (with its older spellings `guided_json`, `guided_regex`, `guided_choice`).
+Structured output (`response_format` too) and tools are turned into engine params by
+`radixkv.server.params.structured` and `radixkv.server.tools`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,41 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+
+
+class _Part(BaseModel):
+    """A part of a body: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Part):
+    """OpenAI's `response_format`: `text`, `json_object`, or `json_schema` with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one of `json` (a schema), `regex`, `choice`,
+    `json_object`, `grammar` (a Lark grammar in llguidance's dialect)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -81,6 +119,11 @@ class _Common(BaseModel):
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # see server.sessions
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # a cache namespace
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (whole responses)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None  # vLLM's older spellings of `structured_outputs`
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""
@@ -142,12 +185,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(_Part):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Part):
+    """An assistant message's earlier tool call, sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
     @property
     def text(self) -> str:
@@ -156,24 +214,48 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(_Part):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Part):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Part):
+    name: str
+
+
+class NamedToolChoice(_Part):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     """`POST /v1/chat/completions`: `messages` through the model's chat template. `logprobs`
-    true returns each token's logprob, with `top_logprobs` alternatives."""
+    true returns each token's logprob, with `top_logprobs` alternatives. `tools` are rendered
+    by the chat template and their calls parsed from the reply (`radixkv.server.tools`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError.bad_request("tool_choice", "tool_choice needs tools")
-        if self.tools:
-            raise APIError.bad_request("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError.bad_request("response_format", "only the text response_format is supported")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+            t.function.name for t in self.tools
+        }:
+            raise APIError.bad_request(
+                "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs", "top_logprobs needs logprobs: true")
         super().check_supported()

@@ -34,6 +34,9 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)  # kept for the chat reply store
     prompt_ids: list[int] | None = None  # the choice's prompt (for echo)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when the engine was asked for them
+    # Chat with tools: a whole reply's calls (`tools.ToolCall`; `text` is then the content or
+    # None), or a stream piece's `delta.tool_calls` entries.
+    tool_calls: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -93,9 +96,12 @@ class Formatter:
         """A stream chunk with one choice's new piece; `first` opens a chat reply with its role."""
         body: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            body["delta"] = (
-                {"role": "assistant", "content": choice.text} if first else {"content": choice.text}
-            )
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if choice.text or not choice.tool_calls:
+                delta["content"] = choice.text
+            if choice.tool_calls:
+                delta["tool_calls"] = choice.tool_calls
+            body["delta"] = delta
         else:
             body["text"] = choice.text
         body["logprobs"] = self._logprobs(choice)
@@ -112,9 +118,12 @@ class Formatter:
 
     def _choice(self, choice: Choice) -> dict[str, Any]:
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:
+                message["tool_calls"] = [call.as_dict() for call in choice.tool_calls]
             return {
                 "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": message,
                 "logprobs": self._logprobs(choice),
                 "finish_reason": choice.finish_reason,
             }

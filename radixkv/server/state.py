@@ -91,7 +91,7 @@ class ServerState:
             )
 
     def waiting(self) -> int:
-        return max(0, self.in_flight - self.engine.metrics()["running_seqs"])
+        return max(0, self.in_flight - self.engine.num_running_seqs())
 
     def admit(self, sequences: int, session_id: str | None = None, param: str = "n") -> None:
         """Counts the request's sequences in (and the request into its session, if any), or

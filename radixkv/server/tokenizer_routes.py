@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError
-from radixkv.server.protocol import ChatMessage
+from radixkv.server.protocol import ChatMessage, Tool
 from radixkv.server.state import ServerState
+from radixkv.server.tools import template_tools
 
 
 class TokenizeRequest(BaseModel):
@@ -30,6 +31,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # rendered with `messages`, as the chat endpoint renders them
 
 
 class DetokenizeRequest(BaseModel):
@@ -59,7 +61,8 @@ def add_tokenizer_routes(
         if (body.prompt is None) == (body.messages is None):
             raise APIError.bad_request("prompt", "give either prompt or messages")
         if body.messages is not None:
-            ids = chat_prompt_ids(tok, body.messages, state.replies)
+            tools = template_tools(body.tools) if body.tools else None
+            ids = chat_prompt_ids(tok, body.messages, state.replies, tools=tools)
         else:
             ids = tok.encode(body.prompt, add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

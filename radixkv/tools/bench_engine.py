@@ -15,6 +15,15 @@ Cases (tiny-llama's shapes, bfloat16 KV, block size 16, random prompt tokens, gr
 - `waiting_64`, `waiting_256`, `waiting_512`: 64 sequences decode and fill every slot
   (`max_num_seqs` 64) while that many prompts wait; prompts share 1,024-token prefixes in 8 groups.
   Admission can take nothing, so a step should cost the same whatever the queue's length.
+- `overlap_decode_256`: `decode_256` with a stub that keeps a simulated device busy for
+  `OVERLAP_DEVICE_MS` a step (a sleep on the step worker, the interpreter lock released), run with
+  host/device overlap and without, round by round in turns: `host_ms` is one step's host work (the
+  serial period less the device's time there), `device_ms` the stub's busy time a step in the
+  overlapped run, `period_ms` the overlapped period between steps; `serial_period_ms` and
+  `serial_device_ms` the same of the serial run (its period about host + device). Wall clock,
+  whatever `--clock` says: the device's time is a wait. A sleep lasts longer than it asks when the
+  cores are busy, and longer for the host's thread than for the mostly idle worker (the OS runs
+  the thread that used less CPU first), so each side's device time is its own measure.
 Each case is set up with untimed steps, warmed up, then timed in `ROUNDS` rounds of `--steps` steps;
 the report gives the fastest round's mean milliseconds per step and per part.
 
@@ -58,6 +67,10 @@ ROUNDS = 3
 """Rounds of timed steps per case; the report keeps the fastest, the one other processes on a
 shared machine disturbed least (as timeit's minimum)."""
 BLOCK_SIZE = 16
+OVERLAP_DEVICE_MS = 2.0
+"""The stub device's busy time a step in `overlap_decode_256`: about the host's work for the case
+on this 2-core machine (0.9 ms unloaded, up to 3 ms when shared), so that neither side hides the
+other by far and the period shows whether they overlap."""
 
 
 @dataclass(slots=True)
@@ -68,6 +81,19 @@ class CaseResult:
     host_ms_per_step: float
     steps: int
     parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class OverlapResult:
+    """`overlap_decode_256`, in milliseconds a step (see the module docstring)."""
+
+    name: str
+    host_ms: float
+    device_ms: float
+    period_ms: float
+    serial_period_ms: float
+    serial_device_ms: float
+    steps: int
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
@@ -87,6 +113,7 @@ class StubModel(torch.nn.Module):
         self.logits = torch.randn((1, max_rows, vocab_size), generator=generator).to(device)
         self.busy_s = busy_s
         self.seconds = 0.0
+        self.calls = 0
         self.clock: Callable[[], float] = time.perf_counter
 
     def forward(self, *, logits_to_keep: torch.Tensor, **_: Any) -> Any:
@@ -95,6 +122,7 @@ class StubModel(torch.nn.Module):
             time.sleep(self.busy_s)  # a simulated device: busy, with the interpreter lock released
         out = _Output(self.logits[:, : logits_to_keep.shape[0]])
         self.seconds += self.clock() - start
+        self.calls += 1
         return out
 
 
@@ -127,12 +155,12 @@ class _Timer:
         self.seconds = dict.fromkeys(PARTS, 0.0)
 
 
-def stub_engine(config: EngineConfig, max_rows: int) -> tuple[Engine, StubModel]:
+def stub_engine(config: EngineConfig, max_rows: int, busy_s: float = 0.0) -> tuple[Engine, StubModel]:
     """An engine whose model forward is a `StubModel` (the KV cache is allocated but never read)."""
     from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
 
     engine = Engine(config)
-    stub = StubModel(engine.model.vocab_size, max_rows, engine.runner.device)
+    stub = StubModel(engine.model.vocab_size, max_rows, engine.runner.device, busy_s)
     engine.runner.model = stub
     return engine, stub
 
@@ -148,7 +176,9 @@ def _prompts(
     return prompts
 
 
-def stub_config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int) -> EngineConfig:
+def stub_config(
+    max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int, overlap: bool = False
+) -> EngineConfig:
     """tiny-llama with room for `num_blocks` blocks of 16 tokens in bfloat16 (half float32's memory;
     the stub never reads the cache)."""
     model = PRESETS["tiny-llama"]()
@@ -158,7 +188,7 @@ def stub_config(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int)
     return EngineConfig(
         model="tiny-llama", dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE,
         kv_cache_memory=num_blocks * per_block, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=max_num_batched_tokens, overlap=overlap,
     )
 
 
@@ -167,8 +197,11 @@ def _blocks_per_seq(context: int, steps: int) -> int:
     return -(-(context + steps) // BLOCK_SIZE) + 1
 
 
-def _decode_256(rng: random.Random, steps: int) -> tuple[Engine, StubModel]:
-    engine, stub = stub_engine(stub_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64), 256)
+def _decode_256(
+    rng: random.Random, steps: int, overlap: bool = False, busy_s: float = 0.0
+) -> tuple[Engine, StubModel]:
+    config = stub_config(256, 256 * 2048, 256 * _blocks_per_seq(2048, steps) + 64, overlap)
+    engine, stub = stub_engine(config, 256, busy_s)
     params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
     for prompt in _prompts(rng, 256, 2047):
         engine.add_request(prompt, params)
@@ -211,6 +244,46 @@ CASES: dict[str, Callable[[random.Random, int], tuple[Engine, StubModel]]] = {
     "waiting_256": _waiting(256),
     "waiting_512": _waiting(512),
 }
+OVERLAP_CASES = ("overlap_decode_256",)
+"""Cases that report `OverlapResult`s (`run_overlap_case`)."""
+OVERLAP_ROUNDS = 7
+"""Rounds per side of `overlap_decode_256`: its figures are wall time, and every thread wake-up
+(the worker's at a job, the host's at its result) waits for a free core, which on a loaded shared
+machine takes milliseconds; more rounds find quieter moments."""
+
+
+def run_overlap_case(name: str, steps: int) -> OverlapResult:
+    """`overlap_decode_256`: the same engine and stub device with overlap off and on, warmed up,
+    then `OVERLAP_ROUNDS` rounds of `steps` steps each in turns; keeps each side's fastest round."""
+    total = WARMUP_STEPS + OVERLAP_ROUNDS * steps + 2  # the overlapped engine runs a step ahead
+    busy_s = OVERLAP_DEVICE_MS / 1e3
+    sides = {overlap: _decode_256(random.Random(0), total, overlap, busy_s) for overlap in (False, True)}
+    for engine, _ in sides.values():
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+    best = {False: (float("inf"), 0.0), True: (float("inf"), 0.0)}  # (period, device) in seconds
+    for _ in range(OVERLAP_ROUNDS):
+        for overlap, (engine, stub) in sides.items():
+            stub.seconds, stub.calls = 0.0, 0
+            before = engine.num_steps
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            period = (time.perf_counter() - start) / steps
+            if engine.num_steps - before != steps:
+                idle = steps - engine.num_steps + before
+                raise RuntimeError(f"bench case {name}: {idle} steps ran no batch")
+            # Per call: the overlapped round's last forward may still be running when it ends.
+            best[overlap] = min(best[overlap], (period, stub.seconds / max(stub.calls, 1)))
+    for engine, _ in sides.values():
+        engine.close()
+    del sides
+    gc.collect()
+    (serial, serial_device), (period, device) = best[False], best[True]
+    ms = 1e3
+    return OverlapResult(
+        name, (serial - serial_device) * ms, device * ms, period * ms, serial * ms, serial_device * ms, steps
+    )
 
 
 def run_case(name: str, steps: int, clock: str = "cpu") -> CaseResult:
@@ -250,7 +323,7 @@ def run_case(name: str, steps: int, clock: str = "cpu") -> CaseResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = args.case or list(CASES)
+    names = args.case or [*CASES, *OVERLAP_CASES]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # see the module docstring
     try:
@@ -262,7 +335,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_cases(names: list[str], args: argparse.Namespace) -> list[CaseResult]:
+def _run_cases(names: list[str], args: argparse.Namespace) -> list[CaseResult | OverlapResult]:
+    results: list[CaseResult | OverlapResult] = []
+    plain = [n for n in names if n not in OVERLAP_CASES]
+    if plain:
+        results += _run_plain_cases(plain, args)
+    for name in names:
+        if name in OVERLAP_CASES:
+            result = run_overlap_case(name, args.steps)
+            results.append(result)
+            if not args.json:
+                print(
+                    f"{name}: host {result.host_ms:.3f} ms, device {result.device_ms:.3f} ms a step; "
+                    f"period {result.serial_period_ms:.3f} ms serial, {result.period_ms:.3f} ms overlapped "
+                    f"({result.period_ms / max(result.host_ms, result.device_ms):.2f} x max(host, device))",
+                    flush=True,
+                )
+    return results
+
+
+def _run_plain_cases(names: list[str], args: argparse.Namespace) -> list[CaseResult]:
     if not args.json:
         rounds = f"fastest of {ROUNDS} rounds of {args.steps} steps"
         clock = "the stepping thread's CPU time" if args.clock == "cpu" else "wall time"

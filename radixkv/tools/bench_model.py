@@ -224,7 +224,7 @@ def _chunks(engine: Any, lengths: list[int], start_pos: int) -> list[Any]:
     new (the KV before it is whatever the blocks hold: the arithmetic and traffic are the same)."""
     import torch
 
-    from radixkv.model.runner import SequenceChunk
+    from radixkv.scheduler.chunk import SequenceChunk
 
     size = engine.pool.block_size
     generator = torch.Generator().manual_seed(0)

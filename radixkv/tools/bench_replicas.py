@@ -5,7 +5,9 @@ Three runs of one workload, side by side in one command: a single engine in proc
 same N replicas behind round robin, both replayed over HTTP (`radixkv replay --url`). Every
 engine gets the same `--kv-cache-memory`. Cache-aware routing should find about what the single
 engine finds (each conversation's turns meet their own earlier KV); round robin sends turn k+1
-to a replica that did not see turn k, and finds less.
+to a replica that did not see turn k, and finds less. With `--kv-store URL` (an empty store the
+replicas share, e.g. `redis://127.0.0.1:6379/0`), a fourth run puts the same replicas behind
+round robin again with that store: turn k+1 then finds turn k's blocks in the store.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from radixkv.tools.replay import format_report, ideal_hit_rate, replay, summariz
 from radixkv.tools.simulate import workload_tokenizer
 from radixkv.workloads.format import read_workload
 
-ROUTED = ("cache-aware", "round-robin")
+ROUTED = ("cache-aware", "round-robin")  # without a store; `--kv-store` adds round robin over it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="64MiB", help="per engine")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--speed", type=float, default=1.0, help="arrival and think times divided by this")
+    parser.add_argument(
+        "--kv-store", default=None, metavar="URL",
+        help="an empty KV store the replicas share: adds a run behind round robin over it",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
 
 
@@ -49,18 +56,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for router in ROUTED:
-            app = build_application(config, args.replicas, router, args.model)
-            serve.run(app, name=f"bench-{router}", route_prefix="/")
+        routed = [(router, config) for router in ROUTED]
+        if args.kv_store is not None:
+            routed.append(("round-robin", replace(config, kv_store=args.kv_store)))
+        for i, (router, replica_config) in enumerate(routed):
+            app = build_application(replica_config, args.replicas, router, args.model)
+            serve.run(app, name=f"bench-{i}", route_prefix="/")
             server = Server(f"http://127.0.0.1:{port}/v1")
-            runs[f"{args.replicas} replicas, {router}"] = replay_url(workload, server, tokenizer, args.speed)
-            serve.delete(f"bench-{router}")  # its engines stop before the next application starts
+            shared = ", shared store" if replica_config.kv_store else ""
+            name = f"{args.replicas} replicas, {router}{shared}"
+            runs[name] = replay_url(workload, server, tokenizer, args.speed)
+            serve.delete(f"bench-{i}")  # its engines stop (and flush their writes) before the next starts
     finally:
         ray.shutdown()
     report = {
         "workload": str(args.workload),
         "model": args.model,
-        "config": {"replicas": args.replicas, "kv_cache_memory": args.kv_cache_memory, "speed": args.speed},
+        "config": {
+            "replicas": args.replicas, "kv_cache_memory": args.kv_cache_memory, "speed": args.speed,
+            "kv_store": args.kv_store,
+        },
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
         "runs": {name: summarize(result) for name, result in runs.items()},
     }

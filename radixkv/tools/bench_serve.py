@@ -3,10 +3,12 @@
 The server runs in a process of its own, as `radixkv serve` does, with the model's forward
 replaced by a stub that keeps a simulated device busy for `--device-ms` (a sleep, which releases
 the interpreter lock as a GPU's queued work does) and returns fixed logits. So a step costs the
-device time plus the engine's host work, and whatever the front end does in the same process
-(parsing, detokenizing, stop strings, JSON, SSE framing) competes with the step for the lock.
+device time plus the engine's host work. With the core in the server's process (`in-process`),
+whatever the front end does (parsing, detokenizing, stop strings, JSON, SSE framing) competes
+with the step for the lock; with the core in its own process (`core-process`, `radixkv serve`'s
+default) it does not. Each N runs both modes, one after the other, in the same run.
 
-For each N (`--streams`, default 16, 32, 128, 256), in a fresh server:
+For each N (`--streams`, default 16, 32, 128, 256) and mode, in a fresh server:
 - `idle_period_ms`: the median period between decode steps of N sequences submitted straight to
   the engine, before the HTTP server starts: the step with no front end attached;
 - `period_ms`: the same with N streaming clients over HTTP (`/v1/completions`, `stream: true`,
@@ -14,16 +16,20 @@ For each N (`--streams`, default 16, 32, 128, 256), in a fresh server:
   the first finish); `period_ratio` = period / idle period;
 - `delivered_tok_s`: tokens the clients received per second over the same window, and what an
   unhindered step would deliver (N / idle period);
-- `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile.
+- `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile;
+- `span_tok_s` and `span_period_ms`: the same over the whole streaming span (first token received
+  to last), which exists even when a slow front end delivers the last first token after the
+  first finish (the window above is then empty: `period_ms` None, `delivered_tok_s` 0).
 The clients run in this process, the server in a child: the clients' own work never takes the
 server's lock. Step times come from the child (`time.monotonic`, shared by both processes on
-Linux), written to a file when it stops.
+Linux), written to a file as each step ends, by whichever process steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_STREAMS = (16, 32, 128, 256)
+MODES = {"in-process": False, "core-process": True}
 PROMPT_TOKENS = 64
 HEALTH_EVERY_S = 0.02
 STUB_TOKEN = ord("A")
@@ -50,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device-ms", type=float, default=2.0, help="the stub device's busy time per step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens each stream generates")
+    parser.add_argument(
+        "--mode", choices=sorted(MODES), action="append",
+        help="where the engine core runs (repeatable; default both, alternating)",
+    )
     parser.add_argument("--json", action="store_true", help="print only a JSON object")
 
 
@@ -57,25 +68,29 @@ def run(args: argparse.Namespace) -> int:
     streams = args.streams or list(DEFAULT_STREAMS)
     if min(streams) < 1 or args.tokens < 8 or args.device_ms < 0:
         raise ValueError("--streams must be >= 1, --tokens >= 8 and --device-ms >= 0")
+    modes = args.mode or list(MODES)
     cases = []
     for n in streams:
-        case = measure(n, args.tokens, args.device_ms)
-        cases.append(case)
-        if not args.json:
-            print(format_case(case), flush=True)
+        for mode in modes:
+            case = measure(n, args.tokens, args.device_ms, MODES[mode])
+            cases.append(case)
+            if not args.json:
+                print(format_case(case), flush=True)
     if args.json:
         print(json.dumps({"device_ms": args.device_ms, "tokens": args.tokens, "cases": cases}, indent=2))
     return 0
 
 
-def measure(streams: int, tokens: int, device_ms: float) -> dict[str, Any]:
+def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -> dict[str, Any]:
     """One case in a fresh server child (see the module docstring)."""
     with tempfile.TemporaryDirectory() as folder:
-        stats_path = Path(folder) / "steps.json"
+        stats_path = Path(folder) / "stats.json"
+        steps_path = Path(folder) / "steps.txt"
         port = _free_port()
         child = subprocess.Popen(
             [sys.executable, "-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
-             str(port), str(streams), str(tokens), str(device_ms), str(stats_path)],
+             str(port), str(streams), str(tokens), str(device_ms), str(stats_path), str(steps_path),
+             str(int(engine_process))],
             stdout=subprocess.DEVNULL,
         )
         try:
@@ -83,19 +98,24 @@ def measure(streams: int, tokens: int, device_ms: float) -> dict[str, Any]:
         finally:
             child.send_signal(signal.SIGTERM)
             child.wait(timeout=60)
-        stats = json.loads(stats_path.read_text())
+        idle_start, idle_end = json.loads(stats_path.read_text())["idle_window"]
+        all_steps = [float(line) for line in steps_path.read_text().split()]
+    idle = _median_interval([t for t in all_steps if idle_start <= t <= idle_end][2:])  # decode steps
     start, end = clients["decode_window"]
-    steps = [t for t in stats["steps"] if start <= t <= end]
+    steps = [t for t in all_steps if start <= t <= end]
     period = _median_interval(steps)
-    idle = stats["idle_period_s"]
+    span_period = _median_interval([t for t in all_steps if clients["span"][0] <= t <= clients["span"][1]])
     return {
         "streams": streams,
+        "mode": "core-process" if engine_process else "in-process",
         "idle_period_ms": idle * 1e3,
         "period_ms": period * 1e3 if period else None,
         "period_ratio": period / idle if period and idle else None,
         "delivered_tok_s": clients["delivered_tok_s"],
         "unhindered_tok_s": streams / idle if idle else None,
         "health_p99_ms": clients["health_p99_s"] * 1e3,
+        "span_tok_s": clients["span_tok_s"],
+        "span_period_ms": span_period * 1e3 if span_period else None,
         "steps_in_window": len(steps),
     }
 
@@ -105,9 +125,11 @@ def format_case(case: dict[str, Any]) -> str:
     if case["period_ms"] is not None:
         period = f"{case['period_ms']:.2f} ms ({case['period_ratio']:.2f}x)"
     return (
-        f"{case['streams']:>4} streams: step {case['idle_period_ms']:.2f} ms idle, {period} streaming; "
+        f"{case['streams']:>4} streams, {case['mode']:>12}: step {case['idle_period_ms']:.2f} ms idle, "
+        f"{period} streaming; "
         f"{case['delivered_tok_s']:,.0f} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
-        f"/health p99 {case['health_p99_ms']:.1f} ms"
+        f"/health p99 {case['health_p99_ms']:.1f} ms; whole span: "
+        f"{case['span_tok_s']:,.0f} tok/s, step {case['span_period_ms'] or 0:.2f} ms"
     )
 
 
@@ -130,12 +152,15 @@ async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen
     finishes = [r[1] for r in results]
     counts = [r[2] for r in results]
     window = (max(first_tokens), min(finishes))
+    span = (min(first_tokens), max(finishes))
     received = sum(_count_between(r[3], *window) for r in results)
     seconds = window[1] - window[0]
     if sum(counts) != streams * tokens:
         raise RuntimeError(f"the clients received {sum(counts)} tokens, expected {streams * tokens}")
     return {
         "decode_window": window,
+        "span": span,
+        "span_tok_s": sum(counts) / (span[1] - span[0]) if span[1] > span[0] else 0.0,
         "delivered_tok_s": received / seconds if seconds > 0 else 0.0,
         "health_p99_s": _percentile(latencies, 99),
     }
@@ -186,39 +211,55 @@ async def _probe_health(http: Any, done: asyncio.Event) -> list[float]:
 # ------------------------------------------------------------------------------- the server
 
 
+def stub_core(streams: int, device_s: float, steps_path: str, core: Any) -> None:
+    """Fits the core with the stub model and a step clock (in whichever process holds it): each
+    step's end is written to `steps_path`, a line as it ends. Torch gets one intra-op thread, as
+    the host side of a GPU step needs no more: otherwise its idle OpenMP workers spin for the CPU
+    that the front end's threads want (in either mode)."""
+    import torch
+
+    from radixkv.tools.bench_engine import StubModel
+
+    torch.set_num_threads(1)
+
+    runner = core.runner
+    runner.model = stub = StubModel(core.vocab_size, streams * PROMPT_TOKENS, runner.device, device_s)
+    stub.logits[..., STUB_TOKEN] += 1e3  # every row greedily picks it
+    out = open(steps_path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+    core.step_hooks.append(lambda _core: out.write(f"{time.monotonic()}\n"))
+
+
 def stub_server() -> None:
-    """The child's body: argv is port, streams, tokens, device ms, the stats file's path."""
+    """The child's body: argv is port, streams, tokens, device ms, the stats and steps files'
+    paths, and 1 for a core in its own process."""
     port, streams, tokens = (int(a) for a in sys.argv[1:4])
-    device_s, stats_path = float(sys.argv[4]) / 1e3, Path(sys.argv[5])
+    device_s, stats_path, steps_path = float(sys.argv[4]) / 1e3, Path(sys.argv[5]), sys.argv[6]
+    engine_process = sys.argv[7] == "1"
     import uvicorn
 
     from radixkv.async_engine import AsyncEngine
     from radixkv.sampling_params import SamplingParams
     from radixkv.server.app import build_app
-    from radixkv.tools.bench_engine import StubModel, stub_config
+    from radixkv.tools.bench_engine import stub_config
 
     context = PROMPT_TOKENS + tokens
-    engine = AsyncEngine(stub_config(streams, streams * PROMPT_TOKENS, streams * (-(-context // 16) + 1) * 2))
-    runner = engine.core.runner
-    runner.model = stub = StubModel(engine.vocab_size, streams * PROMPT_TOKENS, runner.device, device_s)
-    stub.logits[..., STUB_TOKEN] += 1e3  # every row greedily picks it
-    steps: list[float] = []
-    engine.core.step_hooks.append(lambda _core: steps.append(time.monotonic()))
+    config = stub_config(streams, streams * PROMPT_TOKENS, streams * (-(-context // 16) + 1) * 2)
+    setup = functools.partial(stub_core, streams, device_s, steps_path)
+    engine = AsyncEngine(config, engine_process=engine_process, core_setup=setup)
 
     async def idle_run() -> None:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         prompts = [[(i * 7 + j) % 256 for j in range(PROMPT_TOKENS)] for i in range(streams)]
         await asyncio.gather(*(engine.generate(p, params) for p in prompts))
 
+    idle_start = time.monotonic()
     asyncio.run(idle_run())
-    idle = _median_interval(steps[2:])  # after the prefill step: decode steps only
-    steps.clear()
+    stats_path.write_text(json.dumps({"idle_window": [idle_start, time.monotonic()]}))
     app = build_app(engine, "stub", session_idle_timeout_s=None)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
-    stats_path.write_text(json.dumps({"idle_period_s": idle, "steps": steps}))
     os._exit(0)
 
 

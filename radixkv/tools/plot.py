@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from radixkv.tools.replay import TurnRecord
+    from radixkv.tools.replay_result import TurnRecord
 
 _LABELS = {"prefix_cache": "prefix cache on", "no_prefix_cache": "prefix cache off"}
 

@@ -19,7 +19,7 @@ import heapq
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,48 +30,12 @@ from radixkv.conversation import Conversation
 from radixkv.errors import RequestError
 from radixkv.sampling_params import SamplingParams
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
+from radixkv.tools.replay_result import RunResult, TurnRecord, progress_bar
 from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
 from radixkv.workloads.format import Workload, read_workload
 
 if TYPE_CHECKING:
     from radixkv.engine import Engine
-
-
-@dataclass(slots=True)
-class TurnRecord:
-    session: str
-    turn: int
-    due_s: float  # when the turn was due, from the replay's start
-    first_token_s: float
-    finish_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.due_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.finish_s - self.due_s
-
-    @property
-    def tpot_s(self) -> float:
-        return (self.finish_s - self.first_token_s) / max(self.output_tokens - 1, 1)
-
-
-@dataclass(slots=True)
-class RunResult:
-    """A replay's turns. `failed` describes each turn whose request failed (its session stops
-    there: the next turn's prompt would need the reply); the others are `records`."""
-
-    records: list[TurnRecord]
-    wall_s: float
-    metrics: dict[str, Any]
-    kv_usage_peak: float
-    kv_utilization: float
-    failed: list[str] = field(default_factory=list)
 
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
@@ -208,14 +172,6 @@ def _stats(values: list[float]) -> dict[str, float]:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.asarray(values)
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
-
-
-def progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="turn", leave=False, file=sys.stderr)
 
 
 # ------------------------------------------------------------------ command line

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.conversation import Conversation
+from radixkv.tools.replay_result import RunResult, TurnRecord, progress_bar
 from radixkv.workloads.format import Session, Workload
 
 SERVER_COUNTERS = {
@@ -181,10 +182,8 @@ class Reply:
 
 def replay_url(
     workload: Workload, server: Server, tokenizer: Any, speed: float = 1.0, progress: bool = False
-) -> Any:
-    """Replays `workload` against `server`; returns a `replay.RunResult`."""
-    from radixkv.tools.replay import RunResult, TurnRecord, progress_bar
-
+) -> RunResult:
+    """Replays `workload` against `server`; returns a `RunResult`."""
     sessions = workload.sessions
     uses_ids = any(s.uses_ids for s in sessions)
     endpoint = server.endpoint or ("completions" if uses_ids else "chat")

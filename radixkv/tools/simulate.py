@@ -318,17 +318,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    path = Path(args.trace_or_workload)
+def read_requests(path: Path, hash_block: int, model: str) -> list[CacheRequest]:
+    """The requests of a hash-id trace or a workload file (tokenized with `model`'s tokenizer)."""
     if is_hash_trace(path):
-        requests = requests_from_trace(path, args.hash_block)
-    else:
-        workload = read_workload(path)
-        requests = requests_from_workload(workload, workload_tokenizer(workload, args.model))
-    if args.replicas is not None:
-        from radixkv.tools import simulate_replicas
+        return requests_from_trace(path, hash_block)
+    workload = read_workload(path)
+    return requests_from_workload(workload, workload_tokenizer(workload, model))
 
-        return simulate_replicas.run(args, path.name, requests)
+
+def run(args: argparse.Namespace) -> int:
+    """`radixkv simulate` on one cache; with `--replicas` the command runs `simulate_replicas.run`."""
+    path = Path(args.trace_or_workload)
+    requests = read_requests(path, args.hash_block, args.model)
     if args.write_through and args.host_blocks is None:
         raise SystemExit("--write-through needs --host-blocks")
     results = simulate(

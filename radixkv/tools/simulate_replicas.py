@@ -20,11 +20,12 @@ import json
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache, make_policy
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.router import Router
-from radixkv.tools.simulate import CacheRequest, Hits, SimulatedStore, ideal_hit_rate, serve
+from radixkv.tools.simulate import CacheRequest, Hits, SimulatedStore, ideal_hit_rate, read_requests, serve
 
 IN_FLIGHT_PER_REPLICA = 8
 
@@ -136,13 +137,16 @@ def print_table(name: str, results: list[ReplicaSimulationResult]) -> None:
         )
 
 
-def run(args: argparse.Namespace, name: str, requests: list[CacheRequest]) -> int:
+def run(args: argparse.Namespace) -> int:
+    """`radixkv simulate --replicas N` (the arguments are `simulate.add_arguments`')."""
     if args.replicas < 1:
         raise SystemExit(f"--replicas must be >= 1, got {args.replicas}")
     if args.host_blocks is not None or OfflineOptimal.name in args.eviction:
         # the host tier is per engine and the offline oracle needs each replica's future requests,
         # which depend on the routing: neither is modelled across replicas
         raise SystemExit("--replicas takes online eviction policies and no --host-blocks")
+    path = Path(args.trace_or_workload)
+    requests = read_requests(path, args.hash_block, args.model)
     results = simulate_replicas(
         requests,
         args.replicas,
@@ -157,5 +161,5 @@ def run(args: argparse.Namespace, name: str, requests: list[CacheRequest]) -> in
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)
         print()
     else:
-        print_table(name, results)
+        print_table(path.name, results)
     return 0

@@ -13,8 +13,14 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from radixkv.model.logits_processors import History, apply_min_p, process_logits
 from radixkv.outputs import TokenLogprob
+from radixkv.sampling.logits_processors import (
+    History,
+    TokenMask,
+    apply_min_p,
+    apply_token_bitmask,
+    process_logits,
+)
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 
@@ -85,13 +91,16 @@ def sample(
     generators: Sequence[torch.Generator | None],
     histories: Sequence[History] | None = None,
     eos_token_ids: Collection[int] = (),
+    mask: TokenMask | None = None,
 ) -> torch.Tensor:
     """One next token per row of `logits [B, V]` (int64 `[B]`): row i follows `params[i]`.
 
     `generators[i]` is the seeded request's generator (`make_generator`) or None. Greedy rows
     (temperature below `GREEDY_BELOW_TEMPERATURE`) take the argmax and consume no randomness.
     A `top_k` above the vocabulary keeps all of it. `histories[i]` (row i's tokens) feed its
-    logits processors (`radixkv.model.logits_processors`); without them none runs.
+    logits processors (`radixkv.sampling.logits_processors`); without them none runs. `mask`
+    (structured output's allowed tokens of some rows, `TokenMask`) then masks the processed
+    logits, before temperature and the filters: a masked token is never drawn.
     """
     if not len(params) == len(generators) == logits.shape[0]:
         raise ValueError(
@@ -100,6 +109,8 @@ def sample(
     logits = logits.float()
     if histories is not None:
         logits = process_logits(logits, params, histories, eos_token_ids)
+    if mask is not None:
+        logits = apply_token_bitmask(logits, mask)
     tokens = greedy(logits)
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW_TEMPERATURE]  # `not p.greedy`
     if not rows:

@@ -13,7 +13,7 @@ and frequency are OpenAI's formula (over generated tokens only, as vLLM applies 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -57,6 +57,33 @@ def process_logits(
         x = x - frequency * counts - presence * (counts > 0)
     out = logits.clone()
     out[rows] = x
+    return out
+
+
+class TokenMask(NamedTuple):
+    """Structured output's allowed tokens for some rows of a step's logits: `bitmask[j]` (int32
+    `[len(rows), ceil(V / 32)]`, bit `t % 32` of word `t // 32` set allows token t: llguidance's
+    layout, `radixkv.structured.masks`) is row `rows[j]`'s."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """`logits [B, V]` with every token that `mask` disallows set to -inf, as a new tensor (the
+    input stays as it was). A few tensor operations over the masked rows only, on the logits'
+    device: the words are read as little-endian bytes and each byte looks up its 8 bits, which
+    measured 2x faster on this CPU than shifting every word 32 ways."""
+    device = logits.device
+    words = mask.bitmask.to(device, non_blocking=True).contiguous()
+    bits = _BYTE_BITS.to(device).index_select(0, words.view(torch.uint8).view(-1).int())
+    allowed = bits.view(words.shape[0], -1)[:, : logits.shape[-1]]
+    rows = torch.tensor(mask.rows, device=device)
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return out
 
 

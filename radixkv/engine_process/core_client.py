@@ -1,0 +1,385 @@
+"""The front end's side of an engine core in its own process: `CoreClient`.
+
+It stands where an `EngineCore` stands for `AsyncEngine`: `make_request` validates and
+tokenizes here (`radixkv.input_processor`, with the numbers the core sent in `Ready`), `submit`,
+`abort` and `close_session` only send, and a reader thread receives each step's `StepOutput`,
+applies it to the front end's copies of the requests (their sequences' tokens, logprob records,
+finish reasons) and hands the requests it touched to `on_update`, as a stepping thread would.
+Texts are made from those copies where they are read (`radixkv.output_processor`).
+
+Watching the core. The reader thread also polls the process's liveness (`PARENT_CHECK_S`
+apart at most, and at once when it exits): when the core dies (a crash, SIGKILL, the OOM
+killer) or reports `Fatal`, `on_dead` gets an `EngineDeadError` once, every later call raises
+it, and `is_alive()` is False. Control calls (`metrics`, `check_invariants`) wait for the step in
+flight and fail with EngineDeadError if the core dies meanwhile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from radixkv.config import EngineConfig
+from radixkv.engine_process.core_process import PARENT_CHECK_S
+from radixkv.engine_process.messages import (
+    Abort,
+    AddRequest,
+    CloseSession,
+    ControlCall,
+    ControlReply,
+    Fatal,
+    FromCore,
+    Ready,
+    RequestUpdate,
+    Shutdown,
+    StepOutput,
+    pack_ids,
+    unpack_ids,
+)
+from radixkv.errors import EngineDeadError, InvariantError, RequestError
+from radixkv.input_processor import InputProcessor, Params, Prompt
+from radixkv.model.loader import load_tokenizer
+from radixkv.model.tokenizer_threads import PerThreadTokenizer
+from radixkv.output_processor import result_of, stream_deltas
+from radixkv.outputs import Beam, RequestOutput, StreamDelta
+from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.structured.grammar import GrammarCompiler
+
+STARTUP_TIMEOUT_S = 600.0  # building the core loads the model (and profiles memory on a GPU)
+CONTROL_TIMEOUT_S = 300.0  # a control call waits for the step in flight, however slow
+SHUTDOWN_TIMEOUT_S = 60.0  # the core writes its KV store out and stops its workers
+
+
+class CoreError(RuntimeError):
+    """An exception raised inside the engine core's process, by its class name and message: the
+    `__cause__` of a `RequestError` from a core in its own process."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+
+
+class CoreClient:
+    """Starts the core process for `config` and talks to it. `setup(core)` runs in the child
+    once the core is built (it must be picklable: a module-level function or a partial)."""
+
+    def __init__(
+        self, config: EngineConfig | None = None, setup: Callable[[Any], None] | None = None
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        tokenizer = load_tokenizer(config.model)
+        self.tokenizer = PerThreadTokenizer(tokenizer) if tokenizer is not None else None
+        self.on_update: Callable[[list[Request]], None] | None = None
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self.running_seqs = 0
+        self.num_steps = 0
+        self._requests: dict[str, Request] = {}  # the front end's copies, submitted and not yet taken
+        self._send_lock = threading.Lock()
+        self._control_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._folder = tempfile.mkdtemp(prefix="radixkv-core-")
+        addresses = tuple(f"ipc://{self._folder}/{name}" for name in ("in", "out", "control"))
+        self._context = zmq.Context()
+        self._to_core = self._bind(zmq.PUSH, addresses[0])
+        self._from_core = self._bind(zmq.PULL, addresses[1])
+        self._control = self._bind(zmq.REQ, addresses[2])
+        # A fresh interpreter (never a fork of a process with threads, and unlike
+        # multiprocessing's spawn it does not run the caller's main module again), told its
+        # arguments on stdin. It exits on its own when this process is gone (`core_process`).
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "radixkv.engine_process.core_process"], stdin=subprocess.PIPE
+        )
+        try:
+            with self.process.stdin:
+                pickle.dump((config, addresses, os.getpid(), setup), self.process.stdin)
+            self._exited = self._exit_signal()
+            ready = self._wait_ready()
+        except BaseException:
+            self._stop_process()
+            self._release()
+            raise
+        self.pid = ready.pid
+        self.eos_token_ids = ready.eos_token_ids
+        self.vocab_size = ready.vocab_size
+        self.max_model_len = ready.max_model_len
+        self.inputs = InputProcessor(
+            self.tokenizer, ready.vocab_size, ready.max_model_len, config.max_num_seqs,
+            ready.num_blocks, ready.block_size, windows=tuple(ready.windows),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.reader = threading.Thread(target=self._read, name="radixkv-core-reader", daemon=True)
+        self.reader.start()
+
+    def _bind(self, kind: int, address: str) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.PUSH:
+            sock.setsockopt(zmq.SNDHWM, 0)
+        else:
+            sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(address)
+        return sock
+
+    def _wait_ready(self) -> Ready:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._from_core.poll(int(PARENT_CHECK_S * 1000)):
+                message = self._decoder.decode(self._from_core.recv())
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, Fatal):
+                    raise RuntimeError(f"the engine core failed to start:\n{message.message}")
+            elif self.process.poll() is not None:
+                code = self.process.returncode
+                raise RuntimeError(f"the engine core process exited with {code} while starting")
+        raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler over the front end's tokenizer, for checking specs at the
+        door (`EngineCore.grammars`; the core compiles its own matchers)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    # ------------------------------------------------------------- requests
+
+    def make_request(
+        self, prompt: Prompt, params: Params | None, request_id: str | None = None, **kw: Any
+    ) -> Request:
+        """As `EngineCore.make_request`, checked here against the core's numbers."""
+        return self.inputs.make_request(prompt, params, request_id, in_use=self._requests, **kw)
+
+    def submit(self, requests: list[Request], stream: bool = False) -> list[str]:
+        """Sends the requests to the core; `stream` asks for their tokens step by step."""
+        self._check_alive()
+        taken = next((r.request_id for r in requests if r.request_id in self._requests), None)
+        if taken is not None:
+            raise ValueError(f"request_id {taken!r} is already in use")
+        messages = []
+        for r in requests:
+            messages.append(
+                AddRequest(r.request_id, pack_ids(r.prompt_ids), pickle.dumps(r.params),
+                           "beam_search" if r.is_beam_search else "stream" if stream else "generate",
+                           stream, r.arrival_time, r.session_id, r.cache_salt)
+            )
+            self._requests[r.request_id] = r
+        for message in messages:
+            self._send(message)
+        return [r.request_id for r in requests]
+
+    def abort(self, request_id: str, *, wait: bool = False) -> None:
+        """Queues the abort in the core (never waits: the core's next step does it)."""
+        self._send(Abort([request_id]))
+
+    def close_session(self, session_id: str, *, wait: bool = False) -> None:
+        self._send(CloseSession(session_id))
+
+    def take(self, request_id: str) -> Request:
+        request = self._requests.pop(request_id)
+        if request.error is not None:
+            raise request.error
+        return request
+
+    def result_of(self, request: Request) -> RequestOutput | list[Beam]:
+        return result_of(request, self.inputs.decode)
+
+    def stream_deltas(
+        self, request: Request, seq: Sequence, start: int, end: int, finished: bool
+    ) -> list[StreamDelta]:
+        return stream_deltas(request, seq, start, end, finished)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inputs.decode(ids)
+
+    def _send(self, message: Any) -> None:
+        if self._dead is not None or self._closing:
+            return  # nothing to stop any more; callers learn of the death through their requests
+        data = self._encoder.encode(message)
+        with self._send_lock:
+            self._to_core.send(data, copy=False)
+
+    # -------------------------------------------------------------- control
+
+    def metrics(self) -> dict:
+        return self._call("metrics")
+
+    def metrics_text(self) -> str:
+        return self._call("metrics_text")
+
+    def check_invariants(self) -> None:
+        self._call("check_invariants")
+
+    def _call(self, method: str) -> Any:
+        with self._control_lock:
+            self._check_alive()
+            self._control.send(self._encoder.encode(ControlCall(method)))
+            deadline = time.monotonic() + CONTROL_TIMEOUT_S
+            while not self._control.poll(int(PARENT_CHECK_S * 1000)):
+                self._check_alive()
+                if self.process.poll() is not None:
+                    self._check_alive(EngineDeadError("the engine core process died during a control call"))
+                if time.monotonic() > deadline:
+                    limit = CONTROL_TIMEOUT_S
+                    raise TimeoutError(f"the engine core did not answer {method} within {limit:.0f} s")
+            reply = msgspec.msgpack.decode(self._control.recv(), type=ControlReply)
+        if reply.error is not None:
+            if reply.error_type == "InvariantError":
+                raise InvariantError(reply.error)
+            raise CoreError(reply.error_type or "Exception", reply.error)
+        return msgspec.msgpack.decode(reply.value)
+
+    # ------------------------------------------------------------- lifetime
+
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closing and self.process.poll() is None
+
+    def _check_alive(self, dead: EngineDeadError | None = None) -> None:
+        if dead is not None and self._dead is None:
+            self._die(dead)
+        if self._dead is not None:
+            raise self._dead
+        if self._closing:
+            raise EngineDeadError("the engine is shut down")
+
+    def close(self) -> None:
+        """Aborts what runs, shuts the core down (its workers stopped, its store written) and
+        waits for it; kills it if it does not exit within `SHUTDOWN_TIMEOUT_S`. Idempotent."""
+        if self._closing:
+            return
+        if self._dead is None:
+            with self._send_lock:
+                self._to_core.send(self._encoder.encode(Shutdown()))
+        self._closing = True
+        self._stop_process()
+        if threading.current_thread() is not self.reader:
+            self.reader.join(timeout=SHUTDOWN_TIMEOUT_S)
+        self._release()
+
+    def _stop_process(self) -> None:
+        try:
+            self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+
+    def _exit_signal(self) -> int | None:
+        """A descriptor readable once the process has exited (Linux's pidfd), or None: the
+        reader then sees the exit at its next `PARENT_CHECK_S` look."""
+        try:
+            return os.pidfd_open(self.process.pid)
+        except (AttributeError, OSError):
+            return None
+
+    def _release(self) -> None:
+        if getattr(self, "_exited", None) is not None:
+            os.close(self._exited)
+            self._exited = None
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _die(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for request in list(self._requests.values()):
+            if request.status is not Status.FINISHED:
+                request.error = RequestError(request.request_id, error)
+                request.status = Status.FINISHED
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    # --------------------------------------------------------------- reader
+
+    def _read(self) -> None:
+        """The reader thread: applies each StepOutput, and watches the process."""
+        sock, sentinel = self._from_core, self._exited
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if sentinel is not None:
+            poller.register(sentinel, zmq.POLLIN)  # readable once the process has exited
+        while self._dead is None:
+            events = dict(poller.poll(PARENT_CHECK_S * 1000))
+            if sock in events:
+                self._handle(self._decoder.decode(sock.recv()))
+                continue  # read everything it sent before looking at how it ended
+            if sentinel in events or self.process.poll() is not None:
+                if self._closing:
+                    return
+                code = self.process.wait()
+                self._die(EngineDeadError(f"the engine core process died (exit code {code})"))
+
+    def _handle(self, message: FromCore) -> None:
+        if isinstance(message, Fatal):
+            self._die(EngineDeadError(f"the engine core's loop broke:\n{message.message}"))
+            return
+        if not isinstance(message, StepOutput):
+            return
+        self.running_seqs = message.running_seqs
+        self.num_steps = message.num_steps
+        touched = []
+        for update in message.updates:
+            request = self._requests.get(update.request_id)
+            if request is not None and request.status is not Status.FINISHED:
+                self._apply(request, update)
+                touched.append(request)
+        if touched and self.on_update is not None:
+            self.on_update(touched)
+
+    def _apply(self, request: Request, update: RequestUpdate) -> None:
+        """Brings the front end's copy up to the core's: tokens appended (a reader sees a length
+        only after its tokens), finish reasons, scores and times at the end."""
+        if update.num_cached_tokens is not None:
+            request.num_cached_tokens = update.num_cached_tokens
+        if update.prompt_logprobs is not None:
+            request.prompt_logprobs = update.prompt_logprobs
+        done = update.done
+        finished = []
+        for s in update.seqs:
+            seq = self._seq(request, s.index, fresh=done is not None and request.is_beam_search)
+            seq.tokens.extend(unpack_ids(s.tokens))
+            if s.logprobs is not None and seq.token_logprobs is not None:
+                seq.token_logprobs.extend(s.logprobs)
+            if done is not None:
+                seq.finish_reason, seq.score = s.finish_reason, s.score
+                finished.append(seq)
+        if done is None:
+            return
+        request.first_token_time = done.first_token_time
+        request.finish_time = done.finish_time
+        if done.error is not None:
+            cause = CoreError(done.error_type or "Exception", done.error)
+            request.error = RequestError(request.request_id, cause)
+        request.finished_seqs = finished
+        request.status = Status.FINISHED
+
+    @staticmethod
+    def _seq(request: Request, index: int, fresh: bool) -> Sequence:
+        """The copy's sequence `index` (sample `index` of n, made at its first news), or a new one
+        for a finished beam."""
+        first = request.seqs[0]
+        if fresh:
+            return Sequence(list(request.prompt_ids), len(request.prompt_ids))
+        for seq in request.seqs:
+            if seq.index == index:
+                return seq
+        seq = Sequence(
+            list(request.prompt_ids), len(request.prompt_ids), index=index,
+            detok=first.detok.fork() if first.detok is not None else None,
+            token_logprobs=[] if first.token_logprobs is not None else None,
+        )
+        request.seqs.append(seq)
+        return seq

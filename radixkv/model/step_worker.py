@@ -1,0 +1,75 @@
+"""The thread that runs model forwards one after another, like a device stream.
+
+With host/device overlap (`EngineConfig.overlap`) the engine hands each step's forward to this
+thread and goes on preparing the next step while it runs. Jobs run in submission order, one at a
+time, so whatever one step writes into the KV cache is there before the next reads it, exactly
+as kernels queued on one CUDA stream. `submit` returns once the job has started: the worker
+holds the interpreter lock only until its forward releases it (a torch op, a kernel launch
+waiting, the bench's sleeping stub), and a job waiting for the lock behind the host's Python
+would otherwise start up to `sys.getswitchinterval()` (5 ms) late.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+_STOP = object()
+START_TIMEOUT_S = 60.0
+"""How long `submit` waits for the worker to start a job: a worker that does not start one in a
+minute is stuck, and the job fails rather than hang the step."""
+
+
+class StepWorker:
+    """Runs `submit`ted callables in order on one daemon thread; each returns a Future. On CUDA
+    the thread works on `device` (its current device is per thread). `close` stops it after the
+    jobs already queued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._device = device
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixkv-step-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        """Queues `job`; returns once it has started. RuntimeError once the worker is closed."""
+        if self._closed:
+            raise RuntimeError("the step worker is closed")
+        future: Future = Future()
+        started = threading.Event()
+        self._jobs.put((job, future, started))
+        if not started.wait(START_TIMEOUT_S):
+            future.set_exception(RuntimeError("the step worker did not start the forward"))
+        return future
+
+    def close(self) -> None:
+        """Stops the thread once its queued jobs are done (idempotent)."""
+        self._closed = True
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join()
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            job, future, started = item
+            started.set()
+            try:
+                result = job()
+            except BaseException as exc:  # the step's, not the thread's: the engine contains it
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(result)

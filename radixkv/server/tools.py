@@ -1,0 +1,251 @@
+"""Tool calls in the Hermes format of Qwen2.5 and similar chat templates.
+
+The chat template renders `tools` (transformers' `apply_chat_template(tools=...)`) and the model
+answers a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per
+call. `parse` takes a finished reply apart: the text outside the blocks is the content (None when
+only whitespace), each block that holds a JSON object with a `name` a call, whose `arguments`
+are kept as the exact JSON text the model wrote (so a stream's fragments add up to it). A block
+that does not parse stays in the content, as the model wrote it.
+
+`tool_choice` `required` and a named function do not trust the model: the reply is constrained
+by a grammar (`forced_grammar`: the block around a JSON object whose name is the tool's and whose
+arguments follow its `parameters` schema; with `required`, any one tool's), so it always parses.
+`auto` parses whatever the model wrote. `ToolStream` does the same on a stream: content as it
+comes (a possible `<tool_call>` start held back), then per call a first delta with its index, id
+and name and then its argument text in fragments, as OpenAI streams them. (A stream cannot take back what
+it sent: a block that breaks after its name went out stays a call, with the argument text sent
+so far, where the whole reply would keep the block as content. With `required` or a named
+function the grammar rules that out.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.server.protocol import ChatMessage, NamedToolChoice, Tool
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True)
+class ParsedReply:
+    content: str | None
+    calls: list[ToolCall]
+
+
+def parse_block(body: str) -> ToolCall | None:
+    """The call in one block's text (between the tags), or None when it is not one."""
+    head = _NAME.match(body)
+    if head is None:
+        return None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+        arguments, end = _DECODER.raw_decode(body, head.end())
+    except ValueError:
+        return None
+    if not isinstance(arguments, dict) or body[end:].strip() != "}":
+        return None
+    return ToolCall(name, body[head.end() : end])
+
+
+def parse(text: str) -> ParsedReply:
+    """The reply's content and calls (see the module docstring)."""
+    content, calls, rest = [], [], text
+    while (start := rest.find(OPEN)) >= 0 and (end := rest.find(CLOSE, start)) >= 0:
+        call = parse_block(rest[start + len(OPEN) : end])
+        content.append(rest[:start] if call is not None else rest[: end + len(CLOSE)])
+        if call is not None:
+            calls.append(call)
+        rest = rest[end + len(CLOSE) :]
+    text = ("".join(content) + rest).strip()
+    return ParsedReply(text or None, calls)
+
+
+def forced_grammar(tools: list[Tool], choice: str | NamedToolChoice) -> str:
+    """The Lark grammar (llguidance's, `%json` embedding a schema) of one call: to the named
+    function, or with `required` to any of `tools`."""
+    chosen = [
+        t for t in tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name
+    ]
+    schemas = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema["x-guidance"] = {"whitespace_flexible": False}
+    return f"start: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}"
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """`tools` as a chat template takes them."""
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as a chat template takes it: assistant tool calls with their arguments as
+    objects (Qwen2.5's template writes them with `tojson`), a tool reply with its call's id."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # rendered as the string it is
+
+
+@dataclass(slots=True)
+class StreamPiece:
+    """What one piece of a streamed reply adds: content text, and tool-call deltas (OpenAI's
+    `delta.tool_calls` entries)."""
+
+    content: str
+    calls: list[dict[str, Any]]
+
+
+class ToolStream:
+    """Parses one choice's reply as it streams (see the module docstring). `feed` each piece of
+    text; `finish` at the end releases what was held back. `called` says whether any call was
+    sent (then the choice finishes with "tool_calls")."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._sent = 0  # content sent up to here, or the start of the open block
+        self._block: int | None = None  # where the open block's body starts
+        self._call: ToolCall | None = None  # the open block's call, once its name is sent
+        self._args_sent = 0
+        self.num_calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, piece: str) -> StreamPiece:
+        self._text += piece
+        out = StreamPiece("", [])
+        while True:
+            if self._block is None:
+                start = self._text.find(OPEN, self._sent)
+                if start < 0:
+                    end = len(self._text) - _held(self._text, self._sent, OPEN)
+                    out.content += self._text[self._sent : end]
+                    self._sent = end
+                    return out
+                out.content += self._text[self._sent : start]
+                self._block = self._sent = start + len(OPEN)
+                continue
+            end = self._text.find(CLOSE, self._block)
+            # Still open: what may be the start of the closing tag is not the arguments'.
+            upto = end if end >= 0 else len(self._text) - _held(self._text, self._block, CLOSE)
+            body = self._text[self._block : upto]
+            self._stream_call(body, end >= 0, out)
+            if end < 0:
+                return out
+            if self._call is None:  # not a call: the block is content, as `parse` keeps it
+                out.content += self._text[self._block - len(OPEN) : end + len(CLOSE)]
+            self._sent = end + len(CLOSE)
+            self._block, self._call, self._args_sent = None, None, 0
+
+    def finish(self) -> StreamPiece:
+        """The rest: held-back text, or an unclosed block's text as content when no call of it
+        was sent."""
+        start = self._sent if self._block is None else self._block - len(OPEN)
+        rest = self._text[start:] if self._call is None else ""
+        self._sent = len(self._text)
+        return StreamPiece(rest, [])
+
+    def _stream_call(self, body: str, closed: bool, out: StreamPiece) -> None:
+        if closed:
+            whole = parse_block(body)
+            if whole is None:
+                return
+            if self._call is None:  # name and arguments came in one piece
+                self._open(whole.name, out)
+            out.calls += self._fragment(whole.arguments)
+            return
+        head = _NAME.match(body)
+        if head is None:
+            return
+        if self._call is None:
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return
+            self._open(name, out)
+        args = body[head.end() :]
+        try:
+            _, end = _DECODER.raw_decode(args)
+            args = args[:end]
+        except ValueError:
+            pass  # still open: every character so far is the arguments'
+        out.calls += self._fragment(args)
+
+    def _open(self, name: str, out: StreamPiece) -> None:
+        self._call = ToolCall(name, "")
+        out.calls.append(
+            {
+                "index": self.num_calls,
+                "id": self._call.id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        )
+        self.num_calls += 1
+
+    def _fragment(self, args: str) -> list[dict[str, Any]]:
+        if len(args) <= self._args_sent or not args.startswith(self._call.arguments):
+            return []
+        piece = args[self._args_sent :]
+        self._args_sent = len(args)
+        self._call.arguments = args
+        return [{"index": self.num_calls - 1, "function": {"arguments": piece}}]
+
+
+def _held(text: str, start: int, tag: str) -> int:
+    """How many characters at the end of `text[start:]` could begin `tag`."""
+    for k in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0

@@ -1,0 +1,273 @@
+"""The engine core in its own process (`radixkv.engine_process`): what the front end gets from it
+equals the in-process engine's, a failed step fails only its requests, control calls reach the
+core, and a dead core is a clean error at once, in `AsyncEngine` and in `radixkv serve`.
+
+The oracle is the in-process `Engine` on the same weights (itself checked against transformers
+in test_engine.py). Every wait has a deadline that fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from core_faults import POISON
+from test_server import serve
+
+from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
+from radixkv.engine_process.messages import RequestUpdate, SeqUpdate, StepOutput, pack_ids, unpack_ids
+from radixkv.errors import EngineDeadError, InvariantError
+
+KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+TESTS = str(Path(__file__).parent)
+SERVE = ("--graceful-timeout", "2")
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+                if fields[1] == str(pid) and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is gone, unreaped
+    except OSError:
+        return True
+
+
+def wait_for(done, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_messages_round_trip_token_ids_as_bytes():
+    ids = [0, 1, 255, 2**31 - 1]
+    update = RequestUpdate("r", [SeqUpdate(0, pack_ids(ids), None, "stop", -1.5)], num_cached_tokens=3)
+    data = msgspec.msgpack.encode(StepOutput([update], 1, 7))
+    back = msgspec.msgpack.decode(data, type=StepOutput)
+    assert list(unpack_ids(back.updates[0].seqs[0].tokens)) == ids
+    assert back.updates[0].seqs[0].finish_reason == "stop" and back.num_steps == 7
+    assert len(data) < 64  # positional structs: no field names on the wire
+
+
+def test_outputs_equal_the_in_process_engine(model_folders):
+    config = EngineConfig(model=str(model_folders["llama"]), **KW)
+    sync = Engine(config)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [1, 2, 3, 4, 6, 7]]
+    want = sync.generate(prompts, GREEDY)
+    sampled = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=3, logprobs=2, prompt_logprobs=1)
+    want_n = sync.generate([[5, 6, 7]], sampled)[0]
+    beam = BeamSearchParams(beam_width=3, max_tokens=5)
+    want_beams = sync.beam_search([4, 4, 2], beam)
+    stop = SamplingParams(max_tokens=30, temperature=0.0, stop=[sync.decode(want[0].token_ids[2:4])])
+    want_stop = sync.generate([prompts[0]], stop)[0]
+
+    async def main() -> None:
+        engine = AsyncEngine(config)
+        try:
+            assert engine.engine_process and engine.core.process.poll() is None
+            outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+            assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+            assert [o.text for o in outs] == [w.text for w in want]
+            deltas = [d async for d in engine.stream(prompts[2], GREEDY)]
+            assert [d.token_id for d in deltas] == want[2].token_ids
+            assert deltas[0].num_cached_tokens >= 4  # the prefix of prompt 0, cached in the core
+            assert deltas[-1].finish_reason == "length"
+            n = await engine.generate([5, 6, 7], sampled)
+            assert [s.token_ids for s in n.samples] == [s.token_ids for s in want_n.samples]
+            assert [s.logprobs for s in n.samples] == [s.logprobs for s in want_n.samples]
+            assert n.prompt_logprobs == want_n.prompt_logprobs
+            beams = await engine.beam_search([4, 4, 2], beam)
+            assert [(b.token_ids, b.text, b.finish_reason) for b in beams] == [
+                (b.token_ids, b.text, b.finish_reason) for b in want_beams
+            ]
+            assert [b.score for b in beams] == pytest.approx([b.score for b in want_beams])
+            stopped = await engine.generate(prompts[0], stop)
+            assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (
+                want_stop.token_ids, want_stop.text, "stop"
+            )
+            chat = engine.chat(system=[1, 2, 3])
+            first = await chat.send([4, 5, 6], GREEDY)
+            second = await chat.send([7, 8], GREEDY)
+            assert second.num_cached_tokens >= len(first.prompt_token_ids)
+            chat.close()  # a session close, queued to the core
+            metrics = engine.metrics()
+            assert metrics["num_blocks"] == sync.metrics()["num_blocks"]
+            assert metrics["prefix_cache_hits"] > 0 and metrics["running"] == 0
+            assert "radixkv_kv_cache_usage" in engine.metrics_text()
+            engine.check_invariants()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_and_cancel_reach_the_core(model_folders):
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        try:
+            deltas = []
+            async for delta in engine.stream([1, 2, 3], LONG, request_id="cut"):
+                deltas.append(delta)
+                if len(deltas) == 2:
+                    engine.abort("cut")
+            assert deltas[-1].finish_reason == "abort" and len(deltas) < 50
+            task = asyncio.create_task(engine.generate([3, 2, 1], LONG))
+            deadline = time.monotonic() + 30
+            while engine.num_running_seqs() == 0:
+                assert time.monotonic() < deadline, "the request never ran"
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while (m := engine.metrics())["running"] + m["waiting"]:
+                assert time.monotonic() < deadline, "the cancelled request was not aborted"
+                await asyncio.sleep(0.01)
+            engine.check_invariants()
+            out = await engine.generate([1, 2, 3], GREEDY, request_id="cut")  # the id is free again
+            assert len(out.token_ids) == 6
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_only_its_requests_and_a_broken_book_is_reported(model_folders, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    from core_faults import break_the_books, poison_forward
+
+    async def main() -> None:
+        config = EngineConfig(model=str(model_folders["llama"]), **KW)
+        engine = AsyncEngine(config, core_setup=poison_forward)
+        try:
+            with pytest.raises(RequestError, match="poisoned forward"):
+                await engine.generate([1, POISON, 3], GREEDY)
+            stream = engine.stream([POISON, 2], GREEDY)
+            with pytest.raises(RequestError, match="poisoned forward"):
+                async for _ in stream:
+                    pass
+            out = await engine.generate([1, 2, 3], GREEDY)  # the engine stays usable
+            assert len(out.token_ids) == 6
+            engine.check_invariants()
+        finally:
+            await engine.shutdown()
+        broken = AsyncEngine(config, core_setup=break_the_books)
+        try:
+            await broken.generate([1, 2, 3], GREEDY)
+            with pytest.raises(InvariantError):
+                broken.check_invariants()
+        finally:
+            await broken.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_killed_core_fails_every_open_request_at_once(model_folders):
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+        pid = engine.core.pid
+        streams = [engine.stream([i + 1, 2, 3], LONG) for i in range(4)]
+        firsts = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams)), 60)
+        assert all(d.token_id is not None for d in firsts)
+        waiting = asyncio.create_task(engine.generate([7, 7], LONG))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def drain(stream) -> BaseException | None:
+            try:
+                async for _ in stream:
+                    pass
+            except RequestError as e:
+                return e
+            return None
+
+        errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 3)
+        assert all(isinstance(e, RequestError) and isinstance(e.__cause__, EngineDeadError) for e in errors)
+        with pytest.raises(RequestError):
+            await asyncio.wait_for(waiting, 3)
+        assert time.monotonic() - killed < 3
+        assert not engine.is_alive()
+        with pytest.raises(EngineDeadError):
+            await engine.generate([1, 2], GREEDY)
+        with pytest.raises(EngineDeadError):
+            engine.metrics()
+        await asyncio.wait_for(engine.shutdown(), 30)
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------ radixkv serve
+
+
+def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits(model_folders, tmp_path):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
+        (core,) = children(proc.pid)
+
+        async def main() -> tuple[list[list[str]], float]:
+            started = [asyncio.Event() for _ in range(4)]
+
+            async def read(http: httpx.AsyncClient, i: int) -> list[str]:
+                body = {"prompt": [i + 1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+                lines = []
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:"):
+                            lines.append(line)
+                            started[i].set()
+                return lines
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                tasks = [asyncio.create_task(read(http, i)) for i in range(4)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                os.kill(core, signal.SIGKILL)
+                killed = time.monotonic()
+                streams = await asyncio.wait_for(asyncio.gather(*tasks), 3)
+                return streams, time.monotonic() - killed
+
+        streams, took = asyncio.run(main())
+        assert took < 3
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "engine_dead"
+        rc = proc.wait(timeout=10)
+        assert rc != 0
+        assert gone(core) and not children(proc.pid)
+    assert "the engine died" in (tmp_path / "serve.log").read_text()
+
+
+def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
+        (core,) = children(proc.pid)
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        wait_for(lambda: gone(core), 10, "the core process did not exit")
+
+
+def test_a_core_whose_server_is_killed_exits_by_itself(model_folders, tmp_path):
+    with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (_, proc):
+        (core,) = children(proc.pid)
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: gone(core), 10, "the orphaned core did not exit")

@@ -1,0 +1,189 @@
+"""Host/device overlap (`EngineConfig.overlap`) gives what the serial engine gives.
+
+The overlapped engine schedules step N+1 before step N's tokens are known, so a sequence that
+stops at N runs one step more and that token is dropped; preemption, aborts and failures meet
+steps in flight. Outputs are compared with transformers' greedy `generate` and with the serial
+engine on the same requests (seeded sampling, beams, stop strings, logprobs), and the books are
+checked after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import checked, no_leaks, prompts, transformers_greedy
+
+from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
+from radixkv.outputs import RequestOutput
+
+POOL = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 32, "max_num_seqs": 8}
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+class Fault(RuntimeError):
+    pass
+
+
+def engine(folder, overlap: bool, **kw) -> Engine:
+    return checked(Engine.from_pretrained(folder, overlap=overlap, **{**POOL, **kw}))
+
+
+def mixed_requests(probe: Engine) -> list[tuple[list[int], SamplingParams | BeamSearchParams]]:
+    """Greedy runs that stop on a stop string or a stop token midway or run to length, seeded
+    samples (n = 2, with logprobs), a beam group, and a prompt longer than the step budget. The
+    stops are read off `probe`'s greedy outputs, so that they fire."""
+    ps = prompts(8, seed=21, low=4, high=30) + prompts(1, seed=22, low=70, high=71)
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    text, ids = (o for o in probe.generate([ps[1], ps[7]], long))
+    printable = [c for c in text.text[2:] if c.isascii() and c.isprintable()]
+    assert printable, text.text
+    return [
+        (ps[0], SamplingParams(max_tokens=12, temperature=0.0)),
+        (ps[1], SamplingParams(max_tokens=12, temperature=0.0, stop=[printable[0]])),
+        (ps[2], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2)),
+        (ps[3], SamplingParams(max_tokens=9, temperature=1.0, seed=5, n=2, logprobs=1)),
+        (ps[4], SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=6, presence_penalty=0.5)),
+        (ps[5], BeamSearchParams(beam_width=2, max_tokens=6)),
+        (ps[6], SamplingParams(max_tokens=1, temperature=0.0)),
+        (ps[7], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[ids.token_ids[4]])),
+        (ps[8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+    ]
+
+
+LOGPROB_TOL = 1e-4
+"""Logprobs agree to float32 noise only: a row's matmuls differ with the batch it is computed in
+(about 1e-6 here, relative), and the overlapped engine batches differently."""
+
+
+def outcome(result) -> object:
+    if isinstance(result, RequestOutput):
+        return [
+            (s.token_ids, s.text, s.finish_reason, [(r.token_id, pytest.approx(r.logprob, abs=LOGPROB_TOL),
+                                                     [t for t, _ in r.top]) for r in s.logprobs or []])
+            for s in result.samples
+        ]
+    return [(b.token_ids, b.finish_reason) for b in result]
+
+
+def run_all(eng: Engine, requests, steps_between: int = 2) -> dict[str, object]:
+    """Submits the requests in three waves, stepping in between, and runs them out."""
+    ids = []
+    for wave in (requests[:3], requests[3:6], requests[6:]):
+        ids += [eng.add_request(p, params) for p, params in wave]
+        for _ in range(steps_between):
+            eng.step()
+    eng.run_until(lambda: not eng.has_unfinished_requests())
+    return {rid: outcome(eng.result(rid)) for rid in ids}
+
+
+def test_overlapped_greedy_matches_transformers(model_folders, reference_models):
+    eng = engine(model_folders["llama"], overlap=True)
+    batch = prompts(6, seed=1)
+    early = [eng.add_request(p, GREEDY) for p in batch[:3]]
+    for _ in range(4):
+        eng.step()
+    late = [eng.add_request(p, GREEDY) for p in batch[3:]]
+    eng.run_until(lambda: all(eng.is_finished(i) for i in early + late))
+    for prompt, rid in zip(batch, early + late, strict=True):
+        assert eng.output(rid).token_ids == transformers_greedy(reference_models["llama"], prompt, 10)
+    eng.close()
+    no_leaks(eng)
+
+
+def test_overlap_gives_the_serial_outputs(model_folders):
+    requests = mixed_requests(engine(model_folders["llama"], overlap=False))
+    serial = run_all(engine(model_folders["llama"], overlap=False), requests)
+    overlapped = engine(model_folders["llama"], overlap=True)
+    got = run_all(overlapped, requests)
+    assert list(got.values()) == list(serial.values())
+    reasons = {r[2] for out in serial.values() for r in out if len(r) == 4}
+    assert {"stop", "length"} <= reasons  # both ends were reached
+    no_leaks(overlapped)
+
+
+def test_overlap_under_preemption_keeps_outputs_and_books(model_folders):
+    batch = prompts(8, seed=2, low=20, high=40)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in engine(model_folders["llama"], overlap=False).generate(batch, params)]
+    tight = engine(model_folders["llama"], overlap=True, kv_cache_memory="96KiB")
+    assert [o.token_ids for o in tight.generate(batch, params)] == expected
+    assert tight.metrics()["num_preemptions"] > 0
+    no_leaks(tight)
+
+
+@pytest.mark.parametrize(("at_step", "hits"), [(1, False), (3, True), (6, True)])
+def test_aborts_while_a_step_is_in_flight_cache_only_computed_kv(model_folders, at_step, hits):
+    """After one step, the first prefill is still in flight: the aborts find nothing computed
+    and cache nothing; later they cache what earlier steps computed."""
+    batch = prompts(6, seed=3, low=8, high=30)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng = engine(model_folders["llama"], overlap=True)
+    ids = [eng.add_request(p, params) for p in batch]
+    for _ in range(at_step):
+        eng.step()
+    assert eng._overlap.in_flight is not None
+    for rid in ids[::2]:
+        eng.abort(rid)  # the step in flight still computes these
+    eng.run_until(lambda: not eng.has_unfinished_requests())
+    fresh = engine(model_folders["llama"], overlap=False)
+    for i, rid in enumerate(ids):
+        out = eng.output(rid)
+        if i % 2:
+            assert out.token_ids == fresh.generate([batch[i]], params)[0].token_ids
+        else:
+            assert out.samples[0].finish_reason == "abort"
+    # What the aborted requests cached is right: sent again, they hit it and give fresh outputs.
+    again = eng.generate([batch[i] for i in range(0, 6, 2)], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in fresh.generate(batch[::2], params)]
+    assert (sum(o.num_cached_tokens for o in again) > 0) == hits
+    no_leaks(eng)
+
+
+@pytest.mark.parametrize("at_call", [1, 2, 5])
+def test_a_failed_forward_fails_its_step_only(model_folders, at_call):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    requests = [(p, params) for p in prompts(6, seed=4)]
+    eng = engine(model_folders["llama"], overlap=True, max_num_seqs=3)
+    execute, calls, flights = eng.runner.execute, [], []
+
+    def faulty(step):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise Fault("injected")
+        return execute(step)
+
+    def watch(core):
+        flights.append(core._overlap.in_flight)
+
+    eng.runner.execute = faulty
+    eng.step_hooks.append(watch)
+    ids = [eng.add_request(p, params) for p, params in requests]
+    eng.run_until(lambda: not eng.has_unfinished_requests())
+    failed_flight = flights[at_call - 1]  # the step submitted as call `at_call`
+    failed_batch = {item.request.request_id for item in failed_flight.batch}
+    fresh = engine(model_folders["llama"], overlap=False)
+    for rid, (prompt, params) in zip(ids, requests, strict=True):
+        if rid in failed_batch:
+            with pytest.raises(RequestError) as info:
+                eng.output(rid)
+            assert isinstance(info.value.__cause__, Fault)
+        else:
+            assert eng.output(rid).token_ids == fresh.generate([prompt], params)[0].token_ids
+    assert failed_batch and len(failed_batch) < len(ids)
+    no_leaks(eng)
+    # The failure cached nothing uncomputed: the failed prompts, sent again, give fresh outputs.
+    again = [p for rid, (p, _) in zip(ids, requests, strict=True) if rid in failed_batch]
+    assert [o.token_ids for o in eng.generate(again, params)] == [
+        o.token_ids for o in fresh.generate(again, params)
+    ]
+
+
+def test_close_with_a_step_in_flight_then_later_requests_fail_at_once(model_folders):
+    eng = engine(model_folders["llama"], overlap=True)
+    eng.add_request(prompts(1, seed=5)[0], GREEDY)
+    eng.step()
+    assert eng._overlap.in_flight is not None
+    eng.close()  # waits for the step in flight, then aborts its request
+    rid = eng.add_request(prompts(1, seed=6)[0], GREEDY)
+    eng.step()
+    with pytest.raises(RequestError):
+        eng.output(rid)

@@ -1,0 +1,70 @@
+"""The Hermes tool-call parser on strings: whole replies, and the same replies streamed in every
+split, which must send the same calls (name first, then argument fragments that add up)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixkv.server.tools import ToolStream, parse
+
+TWO_CALLS = (
+    'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": [1, {"a": "}"}]}}\n'
+    '</tool_call>\n<tool_call>\n{"name":"time","arguments":{}}\n</tool_call>'
+)
+BROKEN = 'x <tool_call>\n{"name": "weather", "arguments": {"city": \n</tool_call> y'
+
+
+def test_whole_reply_gives_content_and_calls_with_the_exact_argument_text():
+    got = parse(TWO_CALLS)
+    assert got.content == "Let me look."
+    assert [(c.name, c.arguments) for c in got.calls] == [
+        ("weather", '{"city": "Oslo", "days": [1, {"a": "}"}]}'),
+        ("time", "{}"),
+    ]
+    assert json.loads(got.calls[0].arguments) == {"city": "Oslo", "days": [1, {"a": "}"}]}
+    assert parse("no calls here").calls == [] and parse("no calls here").content == "no calls here"
+    broken = parse(BROKEN)
+    assert broken.calls == [] and broken.content == BROKEN  # a block that does not parse stays text
+
+
+def stream(text: str, size: int) -> tuple[str, list[dict], bool]:
+    parser = ToolStream()
+    content, deltas = "", []
+    for i in range(0, len(text), size):
+        piece = parser.feed(text[i : i + size])
+        content += piece.content
+        deltas += piece.calls
+    content += parser.finish().content
+    return content, deltas, parser.called
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streamed_reply_sends_the_same_calls_in_every_split(size):
+    content, deltas, called = stream(TWO_CALLS, size)
+    assert called and content.strip() == "Let me look."
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:  # a call opens: its index, id and name, with no arguments yet
+            assert d["index"] not in calls and d["function"]["arguments"] == ""
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+        else:
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    whole = parse(TWO_CALLS).calls
+    assert [calls[i] for i in sorted(calls)] == [{"name": c.name, "arguments": c.arguments} for c in whole]
+
+
+@pytest.mark.parametrize("size", [1, 5])
+def test_a_streamed_block_that_breaks_after_its_name_stays_a_call(size):
+    """Its name was sent before the break showed: the call stands (a stream sends no retraction),
+    and its block is not sent as content. Whole, the same reply is all content (above)."""
+    content, deltas, called = stream(BROKEN, size)
+    assert called and content == "x  y"
+    assert deltas[0]["function"] == {"name": "weather", "arguments": ""}
+    assert "".join(d["function"]["arguments"] for d in deltas[1:]) == '{"city": \n'
+
+
+def test_a_block_that_closes_unparsed_in_one_piece_is_content():
+    content, deltas, called = stream(BROKEN, len(BROKEN))
+    assert content == BROKEN and deltas == [] and not called
