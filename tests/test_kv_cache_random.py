@@ -563,3 +563,34 @@ def test_random_operations_with_sliding_window_groups(block_size, seed, policy):
     h.check()
     cached = h.cache.evictable_size + len(h.cache.stale)
     assert h.pool.num_free + cached == h.pool.num_blocks - 1, "blocks leaked"
+
+
+def test_stale_group_blocks_go_by_position_in_every_group_and_a_matched_window_last() -> None:
+    """Eviction releases stale sliding blocks the farthest back first, every group's block of a
+    position together (a match needs every group's window), and a window a match read (a request
+    that waits for room) after the others: its hit survives the pressure."""
+    B = 4
+    pool = BlockPool(64, B)
+    kv = KVCacheManager(pool, RadixCache(pool, make_policy("lru")), groups=kv_groups((None, 8, 8)))
+    assert kv.windows == (8, 8)
+    first = list(range(1, 41))
+    table = kv.admit(first)
+    kv.reserve([(table, len(first))])
+    kv.cache_finished(table, first)  # blocks 0..7 of both sliding groups are stale now
+    waiting = first[:20] + list(range(100, 110))
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20  # it reads blocks 3 and 4 of each sliding group
+    kv.release(table)  # no room yet: it waits
+
+    def nulls() -> list[list[int]]:
+        null = kv.null_block
+        return [[i for i, b in enumerate(e) if b == null] for e in kv.cache.match_prefix(first).extra]
+
+    assert kv.cache.evict(4) == 4
+    assert nulls() == [[0, 1], [0, 1]]
+    assert kv.cache.evict(8) == 8
+    assert nulls() == [[0, 1, 2, 5, 6, 7], [0, 1, 2, 5, 6, 7]]
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20
+    kv.release(table)
+    kv.check_invariants([])

@@ -222,6 +222,7 @@ class KVCacheManager:
             extra.append([self.null_block] * keep + e[keep:])
             for b in e[keep:]:
                 self.pool.incref(b)
+            self.cache.touch_stale(e[keep:])
         table = BlockTable(
             blocks, match.num_tokens, match.node, owner, session, num_loaded_tokens=loaded,
             num_stored_tokens=fetched, key_offset=offset, extra=extra,

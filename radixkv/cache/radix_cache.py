@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
@@ -182,9 +182,11 @@ class RadixCache:
         self.partial_blocks: dict[int, int] = {}
         self.windows: tuple[int | None, ...] = ()  # KV groups 1..: their windows (set_groups)
         self.null_block = -1
-        # Group blocks out of every window of their path's end, oldest first: cached still (a
-        # match may read them), released before anything else is evicted (set_groups).
-        self.stale: dict[int, None] = {}
+        # Group blocks out of every window of their path's end -> when they were made stale or
+        # last matched: cached still (a match may read them), released before anything else is
+        # evicted (set_groups, `_release_stale`).
+        self.stale: dict[int, int] = {}
+        self._stale_tick = 0
 
     def set_groups(self, windows: tuple[int | None, ...], null_block: int) -> None:
         """Caches KV groups 1.. (`radixkv.cache.kv_groups`) beside group 0, whose residency and
@@ -194,7 +196,7 @@ class RadixCache:
         tokens, the blocks wholly before n - w become stale up the path while no other branch
         ends there (up to the first node with another child). A stale block stays cached, so a
         match inside the path (a shared system prompt, say) still finds it, but it counts as
-        free: `evict` releases stale blocks first, oldest first, and only then whole leaves
+        free: `evict` releases stale blocks first (`_release_stale`), and only then whole leaves
         (`stale`, `num_stale`), as a sliding block freed by vLLM stays cached until reused. An
         insert whose window needs a stale block makes it live again. Locking a node makes its
         group blocks stale too: the tables that lock it hold the ones they read, so a locked
@@ -381,6 +383,7 @@ class RadixCache:
 
     def inc_lock(self, node: RadixNode) -> None:
         """Protects `node` and its ancestors from eviction; pair with `dec_lock`."""
+        self._stale_tick += 1
         while node is not self.root:
             if node.lock_ref == 0:
                 self._detach(node)
@@ -862,7 +865,7 @@ class RadixCache:
 
     def _make_stale(self, node: RadixNode, block: int) -> None:
         if block != self.null_block and block not in self.stale:
-            self.stale[block] = None
+            self.stale[block] = self._stale_tick
             if node.lock_ref:
                 self.protected_size -= 1
             else:
@@ -882,18 +885,48 @@ class RadixCache:
         return sum(self.pool.refcount(b) == 1 for b in self.stale)
 
     def _release_stale(self, num_blocks: int) -> int:
-        """Releases stale group blocks, oldest first, until `num_blocks` are freed; returns those
-        freed. One a table also holds stays: releasing it would free nothing and lose the hit."""
+        """Releases stale group blocks until `num_blocks` are freed; returns those freed. First
+        the dead ones (`_stale_order`), then the least recently made stale or matched
+        (`touch_stale`: a request waiting for room keeps its window while others grow), and
+        among those by position along their path, the farthest back first, every group's block
+        of a position together: a match needs the window of every group, so freeing one group's
+        run of blocks while the others keep theirs loses the hits those blocks serve. One a
+        table also holds stays: releasing it would free nothing and lose the hit."""
         freed = 0
-        for block in list(self.stale):
+        for node, blocks, i in self._stale_order():
             if freed >= num_blocks:
                 break
-            if self.pool.refcount(block) == 1:
-                node = self._node_of[block]
-                blocks, i = next((e, e.index(block)) for e in node.extra if block in e)
+            if self.pool.refcount(blocks[i]) == 1:
                 self._drop(node, blocks, i)
                 freed += 1
         return freed
+
+    def _stale_order(self) -> list[tuple[RadixNode, list[int], int]]:
+        """The stale blocks as (node, its group's blocks, index), in release order: first those
+        no match can read (another group with a window at least as long released that position,
+        so every window that covers it lacks a block), then by last use, then by position."""
+        null, windows, B = self.null_block, self.windows, self.block_size
+        order = []
+        for block in self.stale:
+            node = self._node_of[block]
+            g = next(j for j, e in enumerate(node.extra) if block in e)
+            i = node.extra[g].index(block)
+            w = windows[g]
+            dead = any(
+                e[i] == null for h, e in enumerate(node.extra)
+                if h != g and windows[h] is not None and w is not None and windows[h] >= w
+            )
+            order.append((not dead, self.stale[block], node.start // B + i, node, node.extra[g], i))
+        order.sort(key=lambda t: t[:3])
+        return [(node, blocks, i) for *_, node, blocks, i in order]
+
+    def touch_stale(self, blocks: Iterable[int]) -> None:
+        """A match read `blocks` (a sliding group's window): the stale ones among them are the
+        most recently used, released after every other stale block."""
+        self._stale_tick += 1
+        for b in blocks:
+            if b in self.stale:
+                self.stale[b] = self._stale_tick
 
     def _fill_and_slide(self, tokens: list[int], extra: list[list[int]] | tuple[list[int], ...]) -> None:
         """After inserting `tokens` with group blocks `extra`: along the path, where a sliding
@@ -903,6 +936,7 @@ class RadixCache:
         at the end of some other branch is kept: such a match stays a hit for every group.
         (Group blocks are no part of any eviction key, so nodes stay in their sets.)"""
         B, null, n = self.block_size, self.null_block, len(tokens)
+        self._stale_tick += 1
         keep = [None if w is None else sliding_keep_from(n, w, B) for w in self.windows]
         sliding = [k for k in keep if k is not None]
         if not sliding:
