@@ -321,6 +321,7 @@ class EngineCore:
                     self.kv.run_transfers(self.runner)
                     self.runner.finish_loads()
         finally:
+            self.scheduler.close()
             if self.store is not None:
                 self.store.close()
             self.runner.close()

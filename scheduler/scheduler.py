@@ -205,6 +205,12 @@ class Scheduler:
         self._start_masks(batch)
         return batch
 
+    def close(self) -> None:
+        """Stops the structured-output mask worker, if a structured request started one."""
+        if self._masks is not None:
+            self._masks.close()
+            self._masks = None
+
     def _start_masks(self, batch: list[ScheduledSeq]) -> None:
         """Starts filling the token masks of the structured sequences this step samples, to run
         beside the forward pass (`radixkv.structured.masks`)."""

@@ -1,8 +1,11 @@
 """Core setups for tests of an engine core in its own process (`AsyncEngine(core_setup=...)`):
-importable by name in the child, since the child unpickles them (tests put this folder on its
-PYTHONPATH)."""
+importable by name in the child, since the child unpickles them (a core has its front end's
+`sys.path`)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 POISON = 255
 """A prompt holding this token fails every step it is in."""
@@ -31,3 +34,11 @@ def break_the_books(core) -> None:
             core.step_hooks.remove(corrupt)
 
     core.step_hooks.append(corrupt)
+
+
+def write_surroundings(core) -> None:
+    """Writes `surroundings.json` into the core's working directory: that directory, the core's
+    `RADIXKV_TEST_MARK` variable and its pid."""
+    seen = {"cwd": os.getcwd(), "mark": os.environ.get("RADIXKV_TEST_MARK"), "pid": os.getpid()}
+    with open("surroundings.json", "w") as f:
+        json.dump(seen, f)

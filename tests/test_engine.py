@@ -46,8 +46,11 @@ def no_leaks(engine: Engine) -> None:
     assert engine.pool.num_free + cached == engine.pool.num_blocks - reserved
 
 
-def test_requests_arriving_while_others_decode_match_transformers(model_folders, reference_models):
-    engine = checked(Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB"))
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_requests_arriving_while_others_decode_match_transformers(model_folders, reference_models, overlap):
+    engine = checked(
+        Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB", overlap=overlap)
+    )
     batch = prompts(6, seed=1)
     early = [engine.add_request(p, GREEDY) for p in batch[:3]]
     for _ in range(4):

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -29,7 +28,6 @@ from radixkv.errors import EngineDeadError, InvariantError
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
-TESTS = str(Path(__file__).parent)
 SERVE = ("--graceful-timeout", "2")
 
 
@@ -43,6 +41,13 @@ def children(pid: int) -> list[int]:
                 if fields[1] == str(pid) and fields[0] != "Z":
                     found.append(int(entry))
     return found
+
+
+def launcher_and_core(server_pid: int) -> tuple[int, int]:
+    """The server's one child, the launcher that forks cores, and the core it forked."""
+    (launcher,) = children(server_pid)
+    (core,) = children(launcher)
+    return launcher, core
 
 
 def gone(pid: int) -> bool:
@@ -152,9 +157,8 @@ def test_abort_and_cancel_reach_the_core(model_folders):
     asyncio.run(main())
 
 
-def test_a_failed_step_fails_only_its_requests_and_a_broken_book_is_reported(model_folders, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
-    from core_faults import break_the_books, poison_forward
+def test_a_failed_step_fails_only_its_requests_and_a_broken_book_is_reported(model_folders):
+    from core_faults import break_the_books, poison_forward  # found by the core: it has our sys.path
 
     async def main() -> None:
         config = EngineConfig(model=str(model_folders["llama"]), **KW)
@@ -182,6 +186,34 @@ def test_a_failed_step_fails_only_its_requests_and_a_broken_book_is_reported(mod
     asyncio.run(main())
 
 
+def test_each_core_is_forked_in_the_callers_directory_and_environment(model_folders, tmp_path, monkeypatch):
+    """The launcher is started once; each core it forks sees the directory and environment its
+    caller had when the core started, not the launcher's."""
+    from core_faults import write_surroundings
+
+    config = EngineConfig(model=str(model_folders["llama"]), **KW)
+    seen = []
+    for i in range(2):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        monkeypatch.setenv("RADIXKV_TEST_MARK", f"mark {i}")
+
+        async def main() -> None:
+            engine = AsyncEngine(config, core_setup=write_surroundings)
+            try:
+                assert len((await engine.generate([1, 2, 3], GREEDY)).token_ids) == 6
+            finally:
+                await engine.shutdown()
+
+        asyncio.run(main())
+        seen.append(json.loads((folder / "surroundings.json").read_text()))
+    want = [(str(tmp_path / "0"), "mark 0"), (str(tmp_path / "1"), "mark 1")]
+    assert [(s["cwd"], s["mark"]) for s in seen] == want
+    assert seen[0]["pid"] != seen[1]["pid"] != os.getpid()
+    assert gone(seen[0]["pid"]) and gone(seen[1]["pid"])
+
+
 def test_a_killed_core_fails_every_open_request_at_once(model_folders):
     async def main() -> None:
         engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
@@ -203,6 +235,7 @@ def test_a_killed_core_fails_every_open_request_at_once(model_folders):
 
         errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 3)
         assert all(isinstance(e, RequestError) and isinstance(e.__cause__, EngineDeadError) for e in errors)
+        assert "exit code -9" in str(errors[0].__cause__)  # the launcher reaped it and told us how
         with pytest.raises(RequestError):
             await asyncio.wait_for(waiting, 3)
         assert time.monotonic() - killed < 3
@@ -221,7 +254,7 @@ def test_a_killed_core_fails_every_open_request_at_once(model_folders):
 
 def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
-        (core,) = children(proc.pid)
+        launcher, core = launcher_and_core(proc.pid)
 
         async def main() -> tuple[list[list[str]], float]:
             started = [asyncio.Event() for _ in range(4)]
@@ -251,23 +284,23 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
             assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "engine_dead"
         rc = proc.wait(timeout=10)
         assert rc != 0
-        assert gone(core) and not children(proc.pid)
+        wait_for(lambda: gone(core) and gone(launcher), 10, "the core or its launcher did not exit")
     assert "the engine died" in (tmp_path / "serve.log").read_text()
 
 
 def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (url, proc):
-        (core,) = children(proc.pid)
+        launcher, core = launcher_and_core(proc.pid)
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        wait_for(lambda: gone(core), 10, "the core process did not exit")
+        wait_for(lambda: gone(core) and gone(launcher), 10, "the core or its launcher did not exit")
 
 
 def test_a_core_whose_server_is_killed_exits_by_itself(model_folders, tmp_path):
     with serve(model_folders["llama"], tmp_path / "serve.log", *SERVE, check_exit=False) as (_, proc):
-        (core,) = children(proc.pid)
+        launcher, core = launcher_and_core(proc.pid)
         proc.kill()
         proc.wait(timeout=10)
-        wait_for(lambda: gone(core), 10, "the orphaned core did not exit")
+        wait_for(lambda: gone(core) and gone(launcher), 10, "the orphaned core or launcher did not exit")

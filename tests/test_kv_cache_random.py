@@ -215,7 +215,7 @@ class Harness:
         cached = [self.unsalted(seq) for seq in self.cache.cached_sequences()]
         for salt, seq in cached:
             same_salt = [s for sl, s in self.reference if sl == salt]
-            assert any(common_prefix(seq, s) == len(seq) for s in same_salt), "evict invented KV"
+            assert any(s[: len(seq)] == seq for s in same_salt), "evict invented KV"
         self.reference = cached
 
     def unsalted(self, keys: list[int]) -> tuple[str | None, list[int]]:
@@ -230,25 +230,31 @@ class Harness:
     def check(self) -> None:
         self.kv.run_transfers(self)  # as the engine does before every forward pass
         self.kv.check_invariants(t for t, _ in self.live)
-        nodes = [n for n in self.cache.nodes() if n is not self.cache.root and not n.lock_ref]
-        unlocked = [b for n in nodes for b in n.blocks]
+        nodes = list(self.cache.nodes())  # one walk of the tree serves every check below
+        unlocked = [b for n in nodes if n is not self.cache.root and not n.lock_ref for b in n.blocks]
         only_cached = sum(self.pool.refcount(b) == 1 for b in unlocked)  # what eviction would free
         assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
-        for table, tokens in self.live:
-            assert self.reads_back(tokens[: table.num_tokens], table.blocks), "sequence KV corrupted"
-        for node in self.cache.nodes():
+        # Every live sequence and every cached node (device and host) must read back its own
+        # tokens: all of them compared in one gather, and only on a mismatch is the culprit named.
+        device = [(tokens[: t.num_tokens], t.blocks, f"sequence KV of {t}") for t, tokens in self.live]
+        host = []
+        for node in nodes:
             tokens = [t & TOKEN_MASK for t in node.tokens]
             if node.blocks:
-                assert self.reads_back(tokens, node.blocks), f"cached KV of {node} corrupted"
+                device.append((tokens, node.blocks, f"cached KV of {node}"))
             if node.host_blocks:
-                assert self.reads_back(tokens, node.host_blocks, self.host_slots), f"host KV of {node}"
-        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
+                host.append((tokens, node.host_blocks, f"host KV of {node}"))
+        for runs, slots in ((device, self.slots), (host, self.host_slots)):
+            if not self.reads_back(runs, slots):
+                bad = next(run for run in runs if not self.reads_back([run], slots))
+                raise AssertionError(f"{bad[2]} corrupted")
+        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount(nodes)
 
-    def slot_usage_recount(self) -> tuple[int, int]:
+    def slot_usage_recount(self, nodes: list) -> tuple[int, int]:
         """Slots holding KV, block by block from scratch: a cached block holds its node's tokens, a
         live table's block its positions; a block held several times counts once, at its fullest."""
         filled: dict[int, int] = {}
-        for node in self.cache.nodes():
+        for node in nodes:
             for i, b in enumerate(node.blocks):
                 filled[b] = min(self.B, len(node.tokens) - i * self.B)
         for table, _ in self.live:
@@ -256,10 +262,17 @@ class Harness:
                 filled[b] = max(filled.get(b, 0), min(self.B, table.num_tokens - i * self.B))
         return sum(filled.values()), (self.kv.pool.num_blocks - self.kv.pool.num_free) * self.B
 
-    def reads_back(self, tokens: list[int], blocks: list[int], slots: np.ndarray | None = None) -> bool:
-        pos = np.arange(len(tokens))
-        slots = self.slots if slots is None else slots
-        return np.array_equal(slots[np.asarray(blocks, dtype=np.int64)[pos // self.B], pos % self.B], tokens)
+    def reads_back(self, runs: list[tuple[list[int], list[int], str]], slots: np.ndarray) -> bool:
+        """Whether each run's blocks hold its tokens, slot by slot (runs: (tokens, blocks, name))."""
+        rows, cols, want = [], [], []
+        for tokens, blocks, _ in runs:
+            pos = np.arange(len(tokens))
+            rows.append(np.asarray(blocks, dtype=np.int64)[pos // self.B])
+            cols.append(pos % self.B)
+            want.append(np.asarray(tokens, dtype=np.int64))
+        if not want:
+            return True
+        return np.array_equal(slots[np.concatenate(rows), np.concatenate(cols)], np.concatenate(want))
 
 
 @pytest.mark.parametrize(

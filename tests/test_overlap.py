@@ -10,7 +10,7 @@ checked after every step.
 from __future__ import annotations
 
 import pytest
-from test_engine import checked, no_leaks, prompts, transformers_greedy
+from test_engine import checked, no_leaks, prompts
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
 from radixkv.outputs import RequestOutput
@@ -73,20 +73,6 @@ def run_all(eng: Engine, requests, steps_between: int = 2) -> dict[str, object]:
             eng.step()
     eng.run_until(lambda: not eng.has_unfinished_requests())
     return {rid: outcome(eng.result(rid)) for rid in ids}
-
-
-def test_overlapped_greedy_matches_transformers(model_folders, reference_models):
-    eng = engine(model_folders["llama"], overlap=True)
-    batch = prompts(6, seed=1)
-    early = [eng.add_request(p, GREEDY) for p in batch[:3]]
-    for _ in range(4):
-        eng.step()
-    late = [eng.add_request(p, GREEDY) for p in batch[3:]]
-    eng.run_until(lambda: all(eng.is_finished(i) for i in early + late))
-    for prompt, rid in zip(batch, early + late, strict=True):
-        assert eng.output(rid).token_ids == transformers_greedy(reference_models["llama"], prompt, 10)
-    eng.close()
-    no_leaks(eng)
 
 
 def test_overlap_gives_the_serial_outputs(model_folders):

@@ -4,7 +4,7 @@ import pytest
 
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LFU, make_policy
-from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_cache import RadixCache, _common_len
 
 
 def make(block_size: int, num_blocks: int = 64, policy=None) -> RadixCache:
@@ -174,3 +174,18 @@ def test_insert_needs_enough_blocks():
     cache = make(4)
     with pytest.raises(ValueError, match="need 3 blocks"):
         cache.insert(list(range(10)), [0, 1])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_the_common_length_is_the_first_mismatch_at_every_position_offset_and_limit(block_size):
+    """`_common_len` compares in growing and shrinking slices: against a token-by-token count,
+    with the mismatch at every position of a run longer than many doublings of a block."""
+    n = 300
+    for mismatch in [*range(n), n]:
+        a = list(range(n))
+        b = a[:mismatch] + [-1] * (n - mismatch)
+        for i, j, limit in [(0, 0, None), (3, 3, None), (0, 0, 100), (5, 5, 7)]:
+            m = min(n - i, n - j, limit if limit is not None else n)
+            want = next((k for k in range(m) if a[i + k] != b[j + k]), m)
+            assert _common_len(a, i, b, j, block_size, limit) == want, (mismatch, i, j, limit)
+

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 import radixkv.scheduler.scheduler as scheduler_module
@@ -162,3 +164,21 @@ def test_a_token_its_grammar_rejects_fails_that_request_alone(model_folders, mon
     assert engine.output(good).token_ids == alone
     engine.check_invariants()
     assert engine.kv.num_live_tables() == 0
+
+
+def test_closing_an_engine_stops_its_mask_worker(model_folders):
+    """A structured request starts the mask worker thread; `close()` stops it."""
+
+    def mask_threads() -> int:
+        return sum(t.name.startswith("radixkv-grammar-masks") for t in threading.enumerate())
+
+    before = mask_threads()
+    engine = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    assert engine.generate("x", params)[0].finish_reason in ("stop", "length")
+    assert mask_threads() == before + 1
+    engine.close()
+    deadline = time.monotonic() + 30
+    while mask_threads() > before:
+        assert time.monotonic() < deadline, "the mask worker outlived its engine's close()"
+        time.sleep(0.01)

@@ -29,8 +29,8 @@ def test_whole_reply_gives_content_and_calls_with_the_exact_argument_text():
     assert broken.calls == [] and broken.content == BROKEN  # a block that does not parse stays text
 
 
-def stream(text: str, size: int) -> tuple[str, list[dict], bool]:
-    parser = ToolStream()
+def stream(text: str, size: int, max_calls: int | None = None) -> tuple[str, list[dict], bool]:
+    parser = ToolStream(max_calls)
     content, deltas = "", []
     for i in range(0, len(text), size):
         piece = parser.feed(text[i : i + size])
@@ -53,6 +53,20 @@ def test_streamed_reply_sends_the_same_calls_in_every_split(size):
             calls[d["index"]]["arguments"] += d["function"]["arguments"]
     whole = parse(TWO_CALLS).calls
     assert [calls[i] for i in sorted(calls)] == [{"name": c.name, "arguments": c.arguments} for c in whole]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_or_streamed(size):
+    """`parallel_tool_calls: false` (max_calls 1): the second call and what follows are dropped."""
+    first = parse(TWO_CALLS).calls[0]
+    whole = parse(TWO_CALLS, max_calls=1)
+    assert [(c.name, c.arguments) for c in whole.calls] == [(first.name, first.arguments)]
+    assert whole.content == "Let me look."
+    content, deltas, called = stream(TWO_CALLS, size, max_calls=1)
+    assert called and content.strip() == "Let me look."
+    assert {d["index"] for d in deltas} == {0}
+    assert deltas[0]["function"]["name"] == first.name
+    assert "".join(d["function"]["arguments"] for d in deltas) == first.arguments
 
 
 @pytest.mark.parametrize("size", [1, 5])

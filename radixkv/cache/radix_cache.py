@@ -1197,16 +1197,22 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 def _common_len(
     edge: list[int], i: int, tokens: list[int], j: int, block_size: int, limit: int | None = None
 ) -> int:
-    """Length of the common run of `edge[i:]` and `tokens[j:]` (at most `limit`), compared a
-    block at a time so long equal runs cost one C-level comparison per block."""
+    """Length of the common run of `edge[i:]` and `tokens[j:]` (at most `limit`), compared in
+    C-level slices: from a block, doubling while they match (a long shared prefix costs a few
+    comparisons, not one per block), then halving down to a block around the first mismatch,
+    which is found token by token."""
     n = min(len(edge) - i, len(tokens) - j)
     if limit is not None:
         n = min(n, limit)
-    k = 0
+    k, step, growing = 0, block_size, True
     while k < n:
-        step = min(block_size, n - k)
+        step = min(step, n - k)
         if edge[i + k : i + k + step] == tokens[j + k : j + k + step]:
             k += step
+            step = step * 2 if growing else step
+            continue
+        if step > block_size:
+            step, growing = step // 2, False
             continue
         while edge[i + k] == tokens[j + k]:
             k += 1

@@ -79,7 +79,9 @@ class EngineReplica:
 
 class RayReplica:
     """A `ReplicaClient` over a deployment handle; Ray's errors for a dead or unreachable replica
-    become `ReplicaFailed`."""
+    become `ReplicaFailed`. Only a request the replica had accepted fails so: one it had not yet
+    accepted when it died (still in the handle's own routing) is re-sent by the handle to the
+    replica's restart, and waits for it, unseen by the router's retry."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self.handle = handle

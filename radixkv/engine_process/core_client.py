@@ -21,7 +21,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,6 +31,7 @@ import msgspec
 import zmq
 
 from radixkv.config import EngineConfig
+from radixkv.engine_process import launcher
 from radixkv.engine_process.core_process import PARENT_CHECK_S
 from radixkv.engine_process.messages import (
     Abort,
@@ -98,16 +98,15 @@ class CoreClient:
         self._to_core = self._bind(zmq.PUSH, addresses[0])
         self._from_core = self._bind(zmq.PULL, addresses[1])
         self._control = self._bind(zmq.REQ, addresses[2])
-        # A fresh interpreter (never a fork of a process with threads, and unlike
-        # multiprocessing's spawn it does not run the caller's main module again), told its
-        # arguments on stdin. It exits on its own when this process is gone (`core_process`).
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.engine_process.core_process"], stdin=subprocess.PIPE
-        )
+        # Forked by the launcher, which has imported the engine already (`launcher`); it exits
+        # on its own when this process is gone (`core_process`).
+        core_args = pickle.dumps((config, addresses, os.getpid(), setup))
         try:
-            with self.process.stdin:
-                pickle.dump((config, addresses, os.getpid(), setup), self.process.stdin)
-            self._exited = self._exit_signal()
+            self.process = launcher.launch(core_args)
+        except BaseException:
+            self._release()
+            raise
+        try:
             ready = self._wait_ready()
         except BaseException:
             self._stop_process()
@@ -143,6 +142,8 @@ class CoreClient:
                 if isinstance(message, Ready):
                     return message
                 if isinstance(message, Fatal):
+                    if message.invalid:  # the config was refused: a ValueError naming it
+                        raise ValueError(message.invalid)
                     raise RuntimeError(f"the engine core failed to start:\n{message.message}")
             elif self.process.poll() is not None:
                 code = self.process.returncode
@@ -278,18 +279,9 @@ class CoreClient:
             self.process.kill()
             self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
 
-    def _exit_signal(self) -> int | None:
-        """A descriptor readable once the process has exited (Linux's pidfd), or None: the
-        reader then sees the exit at its next `PARENT_CHECK_S` look."""
-        try:
-            return os.pidfd_open(self.process.pid)
-        except (AttributeError, OSError):
-            return None
-
     def _release(self) -> None:
-        if getattr(self, "_exited", None) is not None:
-            os.close(self._exited)
-            self._exited = None
+        if getattr(self, "process", None) is not None:
+            self.process.close()
         self._context.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
 
@@ -306,7 +298,7 @@ class CoreClient:
 
     def _read(self) -> None:
         """The reader thread: applies each StepOutput, and watches the process."""
-        sock, sentinel = self._from_core, self._exited
+        sock, sentinel = self._from_core, self.process.sentinel
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         if sentinel is not None:

@@ -8,18 +8,19 @@ only a bug or a reused id does that) ends at once with its error; a step's failu
 by the core, as in process. A loop that breaks outside a step sends `Fatal` and exits non-zero,
 and the front end then fails every open request.
 
-Lifetime. The process ignores SIGINT and SIGTERM (a supervisor's signal to the whole group
-belongs to the front end, which stops the core in order); it ends on `Shutdown`, or by itself
-as soon as its parent is gone (`os.getppid()` changes: the front end was killed), closing the
-core either way, which stops its tensor-parallel workers.
+Lifetime. The process is forked by the front end's launcher (`launcher`) and ignores SIGINT
+and SIGTERM (a supervisor's signal to the whole group belongs to the front end, which stops the
+core in order); it ends on `Shutdown`, or by itself as soon as the front end is gone (its pidfd
+turns readable in the loop's poll, or, without pidfds, a signal 0 to it fails: it was killed),
+closing the core either way, which stops its tensor-parallel workers.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
-import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -78,13 +79,44 @@ class _Sent:
         self.prompt_logprobs_sent = False
 
 
+class FrontEndWatch:
+    """Tells whether the front end (by pid) still lives: its pidfd, readable once it has exited,
+    which the loop's poll also waits on; without pidfds, a signal 0 each look."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+            self._gone = False
+        except ProcessLookupError:
+            self.fd, self._gone = None, True
+        except (AttributeError, OSError):
+            self.fd, self._gone = None, False
+
+    def gone(self) -> bool:
+        if self._gone:
+            return True
+        if self.fd is not None:
+            self._gone = bool(select.select([self.fd], [], [], 0)[0])
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._gone = True
+            except PermissionError:
+                pass  # alive, someone else's
+        return self._gone
+
+
 class CoreProcess:
     """The child's side: `run` until shut down or orphaned. `setup(core)`, if given, runs once
     the core is built (a benchmark's stub model, say); it must be picklable."""
 
-    def __init__(self, config: EngineConfig, addresses: tuple[str, str, str], parent_pid: int) -> None:
+    def __init__(
+        self, config: EngineConfig, addresses: tuple[str, str, str], front_end: FrontEndWatch
+    ) -> None:
         self.config = config
-        self.parent_pid = parent_pid
+        self.front_end = front_end
         self.context = zmq.Context()
         self.inbox = self._socket(zmq.PULL, addresses[0])
         self.outbox = self._socket(zmq.PUSH, addresses[1])
@@ -117,8 +149,8 @@ class CoreProcess:
             self.core = core = EngineCore(self.config)
             if setup is not None:
                 setup(core)
-        except BaseException:
-            self.send(Fatal(traceback.format_exc()))
+        except BaseException as e:
+            self.send(Fatal(traceback.format_exc(), str(e) if isinstance(e, ValueError) else ""))
             return 1
         core.on_update = self._on_update
         self.send(
@@ -140,11 +172,13 @@ class CoreProcess:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.control, zmq.POLLIN)
+        if self.front_end.fd is not None:
+            poller.register(self.front_end.fd, zmq.POLLIN)
         while not self.stopping:
             timeout = 0 if core.has_work() or self.failed else PARENT_CHECK_S * 1000
             events = dict(poller.poll(timeout))
-            if os.getppid() != self.parent_pid:
-                return  # the front end is gone: nobody reads what we would make
+            if self.front_end.gone():
+                return  # nobody reads what we would make
             if self.inbox in events:
                 self._drain_inbox()
             if self.control in events:
@@ -264,16 +298,13 @@ class CoreProcess:
         return done
 
 
-def main() -> int:
-    """`python -m radixkv.engine_process.core_process`, its arguments pickled on stdin:
-    (config, the three socket addresses, the parent's pid, setup or None)."""
+def main(core_args: bytes) -> int:
+    """The core's entry in a child the launcher forked: `core_args` is the pickle of (config,
+    the three socket addresses, the front end's pid, setup or None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    config, addresses, parent_pid, setup = pickle.load(sys.stdin.buffer)
-    if os.getppid() != parent_pid:
-        return 1  # the parent died before we started
-    return CoreProcess(config, addresses, parent_pid).run(setup)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    config, addresses, front_pid, setup = pickle.loads(core_args)
+    front_end = FrontEndWatch(front_pid)
+    if front_end.gone():
+        return 1  # the front end died before we started
+    return CoreProcess(config, addresses, front_end).run(setup)

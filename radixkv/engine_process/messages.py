@@ -103,9 +103,12 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Fatal(msgspec.Struct, tag=True, array_like=True):
-    """The core could not be built, or its loop broke outside a step's containment; it exits."""
+    """The core could not be built, or its loop broke outside a step's containment; it exits.
+    `invalid` is a ValueError's own message when the config itself was refused (the front end
+    raises it as a ValueError, as an engine built in process would)."""
 
     message: str
+    invalid: str = ""
 
 
 FromCore = StepOutput | Ready | Fatal

@@ -110,6 +110,7 @@ async def create(
         events = _events(
             state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
             continuous=body.continuous_usage, tools=tools is not None,
+            max_calls=None if tools is None or body.parallel_tool_calls else 1,
         )
 
         async def end_stream() -> None:
@@ -132,7 +133,7 @@ async def create(
             state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
     if tools is not None:
         for choice in finished.choices:
-            _take_tool_calls(choice)
+            _take_tool_calls(choice, None if body.parallel_tool_calls else 1)
     return JSONResponse(fmt.response(finished.choices, finished.usage))
 
 
@@ -145,10 +146,10 @@ async def _compile(engine: Any, asked: Structured) -> None:
         raise APIError.bad_request(asked.field, str(e)) from e
 
 
-def _take_tool_calls(choice: Choice) -> None:
-    """The reply's tool calls out of its text (`tools.parse`); a reply that made calls and was
-    not cut short finishes with "tool_calls"."""
-    parsed = parse_tool_calls(choice.text)
+def _take_tool_calls(choice: Choice, max_calls: int | None) -> None:
+    """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`); a reply
+    that made calls and was not cut short finishes with "tool_calls"."""
+    parsed = parse_tool_calls(choice.text, max_calls)
     if parsed.calls:
         choice.text, choice.tool_calls = parsed.content, parsed.calls
         if choice.finish_reason == "stop":
@@ -222,6 +223,7 @@ async def _events(
     *,
     continuous: bool = False,
     tools: bool = False,
+    max_calls: int | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body: a chunk per piece of text (or per token, with logprobs), each with the
     usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
@@ -239,7 +241,7 @@ async def _events(
                 reply.append(delta.token_id)
             text, calls, finish = delta.text, None, delta.finish_reason
             if tools:
-                parser = parsers.setdefault(index, ToolStream())
+                parser = parsers.setdefault(index, ToolStream(max_calls))
                 piece = parser.feed(delta.text)
                 if finish is not None:
                     piece.content += parser.finish().content

@@ -68,10 +68,16 @@ def parse_block(body: str) -> ToolCall | None:
     return ToolCall(name, body[head.end() : end])
 
 
-def parse(text: str) -> ParsedReply:
-    """The reply's content and calls (see the module docstring)."""
+def parse(text: str, max_calls: int | None = None) -> ParsedReply:
+    """The reply's content and calls (see the module docstring). With `max_calls` (the request's
+    `parallel_tool_calls: false` makes it 1), what the model wrote after that many calls is
+    dropped."""
     content, calls, rest = [], [], text
     while (start := rest.find(OPEN)) >= 0 and (end := rest.find(CLOSE, start)) >= 0:
+        if max_calls is not None and len(calls) >= max_calls:
+            content.append(rest[:start])
+            rest = ""
+            break
         call = parse_block(rest[start + len(OPEN) : end])
         content.append(rest[:start] if call is not None else rest[: end + len(CLOSE)])
         if call is not None:
@@ -150,13 +156,15 @@ class ToolStream:
     text; `finish` at the end releases what was held back. `called` says whether any call was
     sent (then the choice finishes with "tool_calls")."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls  # as in `parse`: after that many calls, the rest is dropped
         self._text = ""
         self._sent = 0  # content sent up to here, or the start of the open block
         self._block: int | None = None  # where the open block's body starts
         self._call: ToolCall | None = None  # the open block's call, once its name is sent
         self._args_sent = 0
         self.num_calls = 0
+        self._dropping = False  # past `max_calls`: nothing more is sent
 
     @property
     def called(self) -> bool:
@@ -166,6 +174,15 @@ class ToolStream:
         self._text += piece
         out = StreamPiece("", [])
         while True:
+            if self.max_calls is not None and self._block is None and self.num_calls >= self.max_calls:
+                start = self._text.find(OPEN, self._sent)
+                if start >= 0:  # a call past the last one allowed: it and all after are dropped
+                    out.content += self._text[self._sent : start]
+                    self._sent = len(self._text)
+                    self._dropping = True
+                if self._dropping:
+                    self._sent = len(self._text)
+                    return out
             if self._block is None:
                 start = self._text.find(OPEN, self._sent)
                 if start < 0:
