@@ -93,10 +93,13 @@ class EngineCore:
                 )
             self.max_model_len = config.max_model_len
         m = self.model
-        self.groups = kv_groups(m.layer_windows)  # a block holds one group's layers
+        host_bytes = parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True)
+        # A block holds one KV group's layers. The host tier, the KV store and tensor-parallel
+        # ranks move whole blocks of every layer, so with any of them every layer keeps every
+        # block (one group, the kernel still masking each window), as for a model of one window.
+        split = not (host_bytes or config.kv_store is not None or parallel is not None)
+        self.groups = kv_groups(m.layer_windows, split)
         grouped = self.groups if self.groups.num_groups > 1 else None
-        if grouped is not None and (parallel is not None or config.kv_store is not None):
-            raise ValueError("sliding-window KV groups do not support tensor parallelism or a KV store yet")
         layers = self.groups.layers_per_group
         per_block = kv_block_bytes(layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
         profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
@@ -108,7 +111,7 @@ class EngineCore:
         )
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         host = None
-        if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
+        if host_bytes:
             num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
             host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
         self.store = self._open_store(config, per_block)
@@ -125,7 +128,8 @@ class EngineCore:
         else:
             graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
             self.runner = ModelRunner(
-                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
+                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs,
+                groups=self.groups,
             )
             self.runner.store = self.store
         self.inputs = InputProcessor(

@@ -22,7 +22,7 @@ class SequenceChunk:
     token (`"last"`), every new token (`"all"`) or none (`"none"`, a prefill chunk mid-prompt).
     `group_tables`: with KV groups (`radixkv.cache.kv_groups`), the tables of groups 1.., each
     as long as `block_table` (`BlockTable.extra`); `ModelRunner.scratch_groups` gives scratch
-    ones to a forward whose KV is never read back (warm-up, profiling, benchmarks).
+    ones to a forward whose KV is never read back (warm-up, benchmarks).
     """
 
     token_ids: list[int]

@@ -49,6 +49,23 @@ def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4, **
     return engine
 
 
+def run_after_shared_prefix(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, shared: int
+) -> list:
+    """Runs two prompts to the end, the second added once the cache holds the first's `shared`
+    leading tokens (so that it can hit them), and returns their outputs."""
+    first = engine.add_request(prompts[0], params)
+    for _ in range(10):
+        engine.step()
+        if engine.kv.cached_prefix_len(prompts[0]) >= shared:
+            break
+    else:
+        raise AssertionError("the first prompt's shared prefix was never cached")
+    second = engine.add_request(prompts[1], params)
+    engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
+    return [engine.output(first), engine.output(second)]
+
+
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
@@ -70,16 +87,21 @@ def test_presets_window_the_layers_transformers_windows() -> None:
             assert not torch.allclose(loaded.model(ids).logits, windowed, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "split"), [(name, True) for name in FAMILIES] + [("tiny-gemma2", False), ("tiny-gemma3", False)]
+)
+def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str, split: bool) -> None:
     """Two runner steps: 45 tokens, then 12 more over the cached 45 on shuffled blocks; every row's
     logits equal transformers' forward over the whole 57, within float noise (the experts amplify it:
     transformers' own sdpa and eager attention differ by up to 8e-4 on tiny-mixtral). Each KV group
-    (`radixkv.cache.kv_groups`) has its own shuffled blocks."""
+    (`radixkv.cache.kv_groups`) has its own shuffled blocks; unsplit, Gemma keeps one group of every
+    layer (the layout with a host tier, a KV store or tensor parallelism)."""
     loaded = oracle(name)
     reference = load_model(name, dtype="float32", device="cpu").model
-    groups = kv_groups(loaded.layer_windows).num_groups
-    runner = ModelRunner(loaded, num_blocks=20 * groups, block_size=4)
+    layout = kv_groups(loaded.layer_windows, split)
+    groups = layout.num_groups
+    assert groups == 1 or split
+    runner = ModelRunner(loaded, num_blocks=20 * groups, block_size=4, groups=layout)
     ids = tokens(57, seed=5)
     shuffled = random.Random(0).sample(range(20 * groups), 15 * groups)
     table, others = shuffled[:15], [shuffled[15 * g : 15 * g + 15] for g in range(1, groups)]
@@ -126,16 +148,7 @@ def test_long_greedy_with_prefix_hits_and_preemption_equals_transformers(name: s
         engine = engine_for(name, num_blocks=pool, max_num_batched_tokens=chunk)
     else:
         engine = engine_for(name, num_blocks=90)
-    first = engine.add_request(prompts[0], params)
-    for _ in range(10):  # the shared prefix is in the tree before the second arrives
-        engine.step()
-        if engine.kv.cached_prefix_len(prompts[0]) >= len(shared):
-            break
-    else:
-        raise AssertionError("the first prompt's shared prefix was never cached")
-    second = engine.add_request(prompts[1], params)
-    engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
-    outs = [engine.output(first), engine.output(second)]
+    outs = run_after_shared_prefix(engine, prompts, params, len(shared))
     assert engine.metrics()["num_preemptions"] > 0
     assert outs[1].num_cached_tokens >= 120
     for prompt, out in zip(prompts, outs, strict=True):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from test_engine import no_leaks
+from test_model_families import run_after_shared_prefix
 
 from radixkv import Engine, EngineConfig, SamplingParams
 from radixkv.cache.kv_groups import kv_groups
@@ -63,6 +65,7 @@ def test_groups_of_gemma3_are_one_global_and_five_sliding() -> None:
     assert kv_groups((None,) * 4).num_groups == 1 and kv_groups((W,) * 4).num_groups == 1
 
 
+@pytest.mark.slow
 def test_a_long_conversation_holds_at_most_1_2x_the_minimum_and_equals_transformers() -> None:
     """Ten turns of 24 new tokens and 12 generated, past 12 windows in all: each turn hits the
     whole conversation before it, and after each turn past four windows the blocks held (by the
@@ -96,6 +99,7 @@ def test_a_long_conversation_holds_at_most_1_2x_the_minimum_and_equals_transform
     no_leaks(engine)
 
 
+@pytest.mark.slow
 def test_samples_past_the_window_with_prefix_hits_copy_on_write_and_preemption_equal_transformers() -> None:
     """Two ~200-token prompts sharing 120 tokens, two greedy samples each (forks: their shared
     partly filled block is copied on write), 48 tokens each, prefilled 64 tokens a step on a pool
@@ -107,16 +111,7 @@ def test_samples_past_the_window_with_prefix_hits_copy_on_write_and_preemption_e
     prompts = [shared + tokens(80 + 7 * i, rng) for i in range(2)]
     params = SamplingParams(n=2, max_tokens=48, temperature=0.0, ignore_eos=True)
     engine = gemma3_engine(num_blocks=240, max_num_batched_tokens=64)
-    first = engine.add_request(prompts[0], params)
-    for _ in range(10):  # the shared prefix is in the tree before the second arrives
-        engine.step()
-        if engine.kv.cached_prefix_len(prompts[0]) >= len(shared):
-            break
-    else:
-        raise AssertionError("the first prompt's shared prefix was never cached")
-    second = engine.add_request(prompts[1], params)
-    engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
-    outs = [engine.output(first), engine.output(second)]
+    outs = run_after_shared_prefix(engine, prompts, params, len(shared))
     metrics = engine.metrics()
     assert metrics["num_preemptions"] > 0 and metrics["num_cow_copies"] > 0
     assert outs[1].num_cached_tokens >= 120 - B
@@ -127,3 +122,90 @@ def test_samples_past_the_window_with_prefix_hits_copy_on_write_and_preemption_e
                 logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1 : -1]
             assert sample.token_ids == logits.argmax(-1).tolist()
     no_leaks(engine)
+
+
+# --------------------------------------------- what moves whole blocks keeps one group
+
+def one_group_engine(num_blocks: int, host_blocks: int = 0, **config: object) -> Engine:
+    """tiny-gemma3 with a host tier or a KV store: one KV group, so `num_blocks` blocks of all six
+    layers each (`host_blocks` of them on the host), invariants checked every step."""
+    loaded = load_model("tiny-gemma3", dtype="float32", device="cpu")
+    block = kv_block_bytes(loaded.num_layers, B, loaded.num_kv_heads, loaded.head_dim, torch.float32)
+    engine = Engine(
+        EngineConfig(
+            model="tiny-gemma3", dtype="float32", device="cpu", block_size=B,
+            kv_cache_memory=block * num_blocks, host_kv_cache_memory=block * host_blocks, **config,
+        )
+    )
+    engine.step_hooks.append(Engine.check_invariants)
+    assert engine.kv.windows == () and engine.runner.kv_cache.shape[1] == loaded.num_layers
+    return engine
+
+
+def assert_transformers_greedy(prompts: list[list[int]], outs: list, name: str = "tiny-gemma3") -> None:
+    """Each output's tokens are transformers' greedy choices over prompt and output (teacher-forced)."""
+    model = load_model(name, dtype="float32", device="cpu").model
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_a_host_tier_keeps_one_group_and_its_loads_and_swaps_equal_transformers() -> None:
+    """A host tier moves every layer of a block, so with one Gemma 3 keeps every layer's blocks
+    (the kernel masks the windows), as before KV groups: a 100-token prompt (three windows)
+    evicted to the host comes back as a hit, and swap preemption brings back three requests
+    that outgrow the device together; every output equals transformers'."""
+    rng = random.Random(4)
+    a, b, c = (tokens(100, rng) for _ in range(3))
+    batch = [tokens(48, rng) for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = one_group_engine(60, host_blocks=240, preemption_mode="swap")
+    first = engine.generate([a], params)[0]
+    engine.generate([b], params)
+    engine.generate([c], params)  # a's 27 blocks no longer fit beside b's and c's: a goes to the host
+    again = engine.generate([a], params)[0]
+    m = engine.metrics()
+    assert again.num_cached_tokens == len(a) - 1 and m["host_cache_hits"] > 0
+    long = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
+    swapped = engine.generate(batch, long)  # 21 blocks each at the end: 63 of 60
+    m = engine.metrics()
+    assert m["num_preemptions"] > 0 and m["num_swapped_out_blocks"] > 0
+    assert_transformers_greedy([a, a, *batch], [first, again, *swapped])
+    no_leaks(engine)
+
+
+def test_a_kv_store_keeps_one_group_and_a_second_engine_hits_what_the_first_stored(tmp_path) -> None:
+    """The KV store moves every layer of a block: with one, a second engine over the same store
+    fetches a 100-token prompt's blocks that the first computed, and both equal transformers'."""
+    prompt = tokens(100, random.Random(5))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with one_group_engine(64, kv_store=f"file://{tmp_path}") as first:
+        cold = first.generate([prompt], params)[0]
+    with one_group_engine(64, kv_store=f"file://{tmp_path}") as second:
+        warm = second.generate([prompt], params)[0]
+        assert second.metrics()["store_cache_hits"] == warm.num_cached_tokens == (len(prompt) - 1) // B * B
+    assert_transformers_greedy([prompt, prompt], [cold, warm])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_keep_one_group_and_equal_transformers() -> None:
+    """Tensor-parallel ranks step every layer's blocks in lockstep: with two, Gemma 2 (Gemma 3's
+    q/k norms have no tensor-parallel plan) keeps one group on each rank, and a prompt three
+    windows long that hits another's prefix gives transformers' tokens."""
+    rng = random.Random(6)
+    shared = tokens(64, rng)
+    prompts = [shared + tokens(36, rng) for _ in range(2)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(
+        model="tiny-gemma2", dtype="float32", device="cpu", block_size=B, kv_cache_memory="1MiB",
+        tensor_parallel_size=2,
+    )
+    with Engine(config) as engine:
+        engine.step_hooks.append(Engine.check_invariants)
+        assert engine.kv.windows == ()
+        outs = [engine.generate([p], params)[0] for p in prompts]
+    assert outs[1].num_cached_tokens == len(shared)
+    assert_transformers_greedy(prompts, outs, "tiny-gemma2")
+

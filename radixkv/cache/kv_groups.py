@@ -12,7 +12,9 @@ layer); a class that does not fill its last group leaves slots unused there.
 Group 0 is the first global class (or, without global layers, the largest window) and never
 frees a block: the radix tree's residency and eviction follow it. The others are sliding groups
 with their `windows[g]`. A model with one window class has one group: the layout and every
-book of the cache are then those of a model without groups.
+book of the cache are then those of a model without groups. So has any model with
+`split=False`: every layer keeps every block (the kernel still masks each layer's window), for
+what moves whole blocks of every layer at once (a host tier, a KV store, tensor-parallel ranks).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class KVGroups:
         return tuple(w for w in self.windows[1:] if w is not None)
 
 
-def kv_groups(layer_windows: tuple[int | None, ...]) -> KVGroups:
-    """The groups of a model whose layer `l` has sliding window `layer_windows[l]`."""
+def kv_groups(layer_windows: tuple[int | None, ...], split: bool = True) -> KVGroups:
+    """The groups of a model whose layer `l` has sliding window `layer_windows[l]`; one group of
+    every layer when `split` is False."""
     if not layer_windows:
         raise ValueError("a model needs at least one layer")
     classes: dict[int | None, list[int]] = {}
@@ -49,7 +52,7 @@ def kv_groups(layer_windows: tuple[int | None, ...]) -> KVGroups:
         classes.setdefault(window, []).append(layer)
     # group 0 first: the global class, else the largest window; then the rest, largest first
     order = sorted(classes, key=lambda w: (w is not None, -(w or 0)))
-    if len(order) == 1:
+    if len(order) == 1 or not split:
         n = len(layer_windows)
         return KVGroups((0,) * n, tuple(range(n)), (order[0],), n)
     size = min(len(layers) for layers in classes.values())

@@ -127,8 +127,7 @@ def profile_peak_memory(
     runner = ModelRunner(loaded, sum(blocks), block_size)
     chunks, first = [], 0
     for n, b in zip(lengths, blocks, strict=True):
-        table = list(range(first, first + b))
-        chunks.append(SequenceChunk([0] * n, 0, table, group_tables=runner.scratch_groups(table)))
+        chunks.append(SequenceChunk([0] * n, 0, list(range(first, first + b))))
         first += b
     runner.forward(chunks)
     torch.cuda.synchronize(device)

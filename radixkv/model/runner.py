@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from radixkv import kernels
-from radixkv.cache.kv_groups import kv_groups
+from radixkv.cache.kv_groups import KVGroups, kv_groups
 from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
@@ -39,10 +39,11 @@ class ModelRunner:
     The cache is one zeroed tensor `[2, num_layers, num_blocks, block_size, Hkv, D]` in the model's
     dtype: `k_caches[l]` and `v_caches[l]` are its per-layer views in the kernels' layout, and the
     flattened `[num_layers * num_blocks, ...]` view lets one `copy_blocks` launch copy a block in
-    every layer. With KV groups (`radixkv.cache.kv_groups`, layers of different windows) it is
-    `[2, layers_per_group, num_blocks, ...]`: a block holds one group's layers, layer l in slot
-    `slot[l]` of the blocks its group's table lists, and each group has its own block table and
-    slot mapping in the step; no host tier and no CUDA graphs then (yet). The runner allocates
+    every layer. With KV groups (`groups`, `radixkv.cache.kv_groups`: layers of different
+    windows; None is one group of every layer) it is `[2, layers_per_group, num_blocks, ...]`: a
+    block holds one group's layers, layer l in slot `slot[l]` of the blocks its group's table
+    lists, and each group has its own block table and slot mapping in the step (no host tier
+    then: its transfers move every layer of a block; no CUDA graphs yet). The runner allocates
     no blocks: callers give block tables that already cover the new tokens. A step's inputs
     come from a `PersistentBatch` (one host-to-device copy) and its attention launches are
     planned once and shared by all layers. Building a runner binds the model's attention to the
@@ -66,6 +67,7 @@ class ModelRunner:
         block_size: int,
         num_host_blocks: int = 0,
         cuda_graph_max_seqs: int = 0,
+        groups: KVGroups | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
@@ -79,10 +81,9 @@ class ModelRunner:
         self.num_kv_heads = loaded.num_kv_heads
         self.head_dim = loaded.head_dim
         self.windows = loaded.layer_windows
-        self.groups = kv_groups(self.windows)
-        grouped = self.groups.num_groups > 1
-        if grouped and num_host_blocks:
-            raise ValueError("a host KV tier is not supported yet for models with sliding-window KV groups")
+        self.groups = groups if groups is not None else kv_groups(self.windows, split=False)
+        if self.groups.num_groups > 1 and num_host_blocks:
+            raise ValueError("a host KV tier moves every layer of a block: it needs one KV group")
         slots = self.groups.layers_per_group
         shape = (2, slots, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
@@ -95,7 +96,7 @@ class ModelRunner:
         )
         self.host = HostKVCache(num_host_blocks, self.kv_cache) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
-        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda" and not grouped
+        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda" and self.groups.num_groups == 1
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
         on_cuda = self.device.type == "cuda"  # the side stream of host-tier and store loads
         self.load_stream = torch.cuda.Stream(self.device) if on_cuda else None
