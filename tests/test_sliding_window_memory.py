@@ -18,6 +18,7 @@ from test_model_families import run_after_shared_prefix
 
 from radixkv import Engine, EngineConfig, SamplingParams
 from radixkv.cache.kv_groups import kv_groups
+from radixkv.model import cuda_graphs
 from radixkv.model.loader import layer_windows, load_model
 from radixkv.model.presets import PRESETS, SLIDING_WINDOW
 from radixkv.model.runner import kv_block_bytes
@@ -209,3 +210,35 @@ def test_tensor_parallel_ranks_keep_one_group_and_equal_transformers() -> None:
     assert outs[1].num_cached_tokens == len(shared)
     assert_transformers_greedy(prompts, outs, "tiny-gemma2")
 
+
+@pytest.mark.slow
+def test_decode_graph_buffers_carry_every_groups_slots_and_tables(monkeypatch) -> None:
+    """CUDA graphs replay static buffers (`radixkv.model.cuda_graphs`): with KV groups each group
+    has its own. On the CPU a stand-in for each captured graph runs the graphs' forward over those
+    buffers at replay, so decode steps read every group's KV through them; greedy tokens past the
+    window equal transformers'. (`pytest -m gpu` replays real graphs.)"""
+    monkeypatch.setattr(cuda_graphs, "plan_attention_gpu", lambda *args: None)  # asks the device
+    engine = gemma3_engine(num_blocks=256, max_num_seqs=2)
+    graphs = cuda_graphs.DecodeGraphs(engine.runner, 2)
+    replays = []
+
+    class Replay:
+        def __init__(self, size: int, width: int) -> None:
+            self.size, self.width = size, width
+            self.logits = torch.zeros(size, engine.vocab_size)
+
+        def replay(self) -> None:
+            replays.append(self.size)
+            self.logits.copy_(graphs._forward(self.size, self.width))
+
+    for key in set(graphs.routes.values()):
+        stand_in = Replay(*key)
+        graphs._graphs[key] = (stand_in, stand_in.logits)
+    engine.runner.graphs = graphs
+    rng = random.Random(7)
+    prompts = [tokens(rng.randrange(36, 48), rng) for _ in range(2)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert len(replays) >= 7  # every decode step
+    assert_transformers_greedy(prompts, outs)
+    no_leaks(engine)

@@ -43,7 +43,7 @@ class ModelRunner:
     windows; None is one group of every layer) it is `[2, layers_per_group, num_blocks, ...]`: a
     block holds one group's layers, layer l in slot `slot[l]` of the blocks its group's table
     lists, and each group has its own block table and slot mapping in the step (no host tier
-    then: its transfers move every layer of a block; no CUDA graphs yet). The runner allocates
+    then: its transfers move every layer of a block). The runner allocates
     no blocks: callers give block tables that already cover the new tokens. A step's inputs
     come from a `PersistentBatch` (one host-to-device copy) and its attention launches are
     planned once and shared by all layers. Building a runner binds the model's attention to the
@@ -96,7 +96,7 @@ class ModelRunner:
         )
         self.host = HostKVCache(num_host_blocks, self.kv_cache) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
-        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda" and self.groups.num_groups == 1
+        use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
         self.graphs = DecodeGraphs(self, cuda_graph_max_seqs) if use_graphs else None
         on_cuda = self.device.type == "cuda"  # the side stream of host-tier and store loads
         self.load_stream = torch.cuda.Stream(self.device) if on_cuda else None
