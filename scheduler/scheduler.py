@@ -168,6 +168,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
+        if self.kv.windows and len(self.waiting):  # KV groups: the next to admit keeps its hit's
+            head = next(iter(self.waiting))  # window while the running requests grow below
+            self.kv.keep_window(head.seqs[0].tokens, head.cache_salt)
         append_slot = self.kv.append_slot
         i = 0
         while i < len(self.running) and budget > 0:

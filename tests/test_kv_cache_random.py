@@ -481,6 +481,9 @@ class GroupsHarness(AppendSlotHarness):
         self.released += sum(b == self.kv.null_block for e in self.live[-1][0].extra for b in e)
 
     def operate(self) -> None:
+        if self.reference and self.rng.random() < 0.05:  # a waiting request keeps its window
+            salt, done = self.rng.choice(self.reference)
+            self.kv.keep_window(done + [self.rng.randrange(3)], salt)
         if not self.live or self.rng.random() > 0.1:
             return super().operate()
         table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
@@ -520,31 +523,35 @@ class GroupsHarness(AppendSlotHarness):
         unlocked += [b for b in self.cache.stale if self.cache._node_of[b].lock_ref]
         only_cached = sum(self.pool.refcount(b) == 1 for b in unlocked)
         assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
+        runs = [(tokens[: t.num_tokens], t.blocks, f"group 0 KV of {t}") for t, tokens in self.live]
         for table, tokens in self.live:
-            assert self.reads_back(tokens[: table.num_tokens], table.blocks), "group 0 KV corrupted"
             for window, blocks in zip(self.windows, table.extra, strict=True):
                 lo = sliding_keep_from(table.num_tokens, window, self.B) * self.B
                 assert self.reads_back_from(lo, tokens[: table.num_tokens], blocks), "a group's KV corrupted"
-        for node in self.cache.nodes():
+        nodes = list(self.cache.nodes())
+        for node in nodes:
             tokens = [t & TOKEN_MASK for t in node.tokens]
             if node.blocks:
-                assert self.reads_back(tokens, node.blocks), f"cached KV of {node} corrupted"
+                runs.append((tokens, node.blocks, f"cached KV of {node}"))
             for blocks in node.extra:
                 for i, b in enumerate(blocks):
                     if b != null:
                         part = tokens[i * self.B : (i + 1) * self.B]
-                        assert self.reads_back(part, [b]), f"a group's cached KV of {node} corrupted"
-        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount()
+                        runs.append((part, [b], f"a group's cached KV of {node}"))
+        if not self.reads_back(runs, self.slots):
+            bad = next(run for run in runs if not self.reads_back([run], self.slots))
+            raise AssertionError(f"{bad[2]} corrupted")
+        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount(nodes)
 
     def reads_back_from(self, lo: int, tokens: list[int], blocks: list[int]) -> bool:
         pos = np.arange(lo, len(tokens))
         ids = np.asarray(blocks, dtype=np.int64)[pos // self.B]
         return np.array_equal(self.slots[ids, pos % self.B], np.asarray(tokens[lo:], dtype=np.int64))
 
-    def slot_usage_recount(self) -> tuple[int, int]:
+    def slot_usage_recount(self, nodes: list) -> tuple[int, int]:
         filled: dict[int, int] = {}
         null = self.kv.null_block
-        for node in self.cache.nodes():
+        for node in nodes:
             for blocks in (node.blocks, *node.extra):
                 for i, b in enumerate(blocks):
                     if b != null:
@@ -606,4 +613,39 @@ def test_stale_group_blocks_go_by_position_in_every_group_and_a_matched_window_l
     table = kv.admit(waiting)
     assert table.num_tokens == 20
     kv.release(table)
+    kv.check_invariants([])
+
+
+def test_the_next_request_to_admit_keeps_its_window_through_newer_stale_blocks() -> None:
+    """`keep_window` (the scheduler calls it for the head of the waiting queue each step) makes the
+    stale blocks a waiting request's match reads the last that eviction releases, ahead of stale
+    blocks made later, and changes nothing else; `peek_groups` gives what `match_prefix` does."""
+    B = 4
+    pool = BlockPool(64, B)
+    kv = KVCacheManager(pool, RadixCache(pool, make_policy("lru")), groups=kv_groups((None, 8, 8)))
+    first, second = list(range(1, 41)), list(range(200, 240))
+    for tokens in (first, second):  # each leaves its blocks 0..7 stale in both sliding groups
+        table = kv.admit(tokens)
+        kv.reserve([(table, len(tokens))])
+        kv.cache_finished(table, tokens)
+    waiting = first[:20] + list(range(100, 110))  # its match reads blocks 3 and 4 of first's path
+
+    def books() -> list[tuple[int, int, int, int]]:
+        return [(n.id, n.last_access, n.hits, len(n.blocks)) for n in kv.cache.nodes()]
+
+    before, sizes = books(), (kv.cache.evictable_size, len(kv.cache.stale), pool.num_free)
+    kv.keep_window(waiting)
+    assert books() == before and (kv.cache.evictable_size, len(kv.cache.stale), pool.num_free) == sizes
+    assert kv.cache.evict(28) == 28  # all 32 stale blocks but 4
+    null = kv.null_block
+    kept = [[i for i, b in enumerate(e) if b != null] for e in kv.cache.match_prefix(first).extra]
+    assert kept == [[3, 4, 8, 9], [3, 4, 8, 9]]  # the window of the hit, and of the path's end
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20
+    kv.release(table)
+    for n in (0, 3, 17, 20, 39):  # the side-effect-free peek agrees with a match
+        keys = second[:n]
+        peeked = kv.cache.peek_groups(keys)
+        match = kv.cache.match_prefix(keys)
+        assert peeked == (match.num_tokens, match.extra)
     kv.check_invariants([])

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.kv_groups import KVGroups, sliding_keep_from, valid_match_end
-from radixkv.cache.radix_cache import MatchResult, RadixCache, RadixNode
+from radixkv.cache.radix_cache import RadixCache, RadixNode
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.errors import InvariantError
 
@@ -202,7 +202,7 @@ class KVCacheManager:
         keys = salted(tokens[:limit], offset)
         match = self.cache.match_prefix(keys, session)
         if self.windows:
-            end = self._valid_end(match)
+            end = self._valid_end(match.num_tokens, match.extra)
             if end < match.num_tokens:  # a sliding group lacks the window before the match's end
                 match = self.cache.match_prefix(keys[:end], session)
         fetched = 0
@@ -229,15 +229,31 @@ class KVCacheManager:
         )
         return self._register(table)
 
-    def _valid_end(self, match: MatchResult) -> int:
-        """The longest prefix of `match` whose window every sliding group holds."""
-        end, last = match.num_tokens, -1
+    def _valid_end(self, num_tokens: int, extra: tuple[list[int], ...]) -> int:
+        """The longest prefix of a match of `num_tokens` tokens whose window every sliding group
+        holds, `extra` being the groups' blocks along it."""
+        end, last = num_tokens, -1
         while end != last:  # a cut for one group needs every other group's check again
             last = end
-            for window, blocks in zip(self.windows, match.extra, strict=True):
+            for window, blocks in zip(self.windows, extra, strict=True):
                 if window is not None:
                     end = valid_match_end(blocks, self.null_block, end, window, self.block_size)
         return end
+
+    def keep_window(self, tokens: list[int], salt: str | None = None) -> None:
+        """Makes the stale sliding-group blocks that a match of `tokens` (the next request to
+        admit) reads the most recently used (`RadixCache.touch_stale`), so that what the running
+        requests take meanwhile releases other stale blocks first and the request still hits
+        its prefix when room comes; locks, touches and changes nothing else. No-op without KV
+        groups."""
+        if self.cache is None or not self.windows or len(tokens) < 2:
+            return
+        matched, extra = self.cache.peek_groups(salted(tokens[:-1], salt_offset(salt)))
+        end = self._valid_end(matched, extra)
+        for window, blocks in zip(self.windows, extra, strict=True):
+            if window is not None:
+                first = sliding_keep_from(end, window, self.block_size)
+                self.cache.touch_stale(blocks[first : self.blocks_for(end)])
 
     def release_windows(self, table: BlockTable) -> None:
         """Releases the sliding groups' blocks of `table`, whose `num_tokens` are computed, that no

@@ -920,6 +920,16 @@ class RadixCache:
         order.sort(key=lambda t: t[:3])
         return [(node, blocks, i) for *_, node, blocks, i in order]
 
+    def peek_groups(self, tokens: list[int]) -> tuple[int, tuple[list[int], ...]]:
+        """How many leading tokens of `tokens` are cached, and KV groups 1..'s blocks covering
+        them (null where released), as `match_prefix` would give; changes nothing."""
+        node, pos, child, common = self._walk(tokens, touch=False)
+        extra = self._path_extra(node, None)
+        if child is not None and common:
+            for group, blocks in zip(extra, child.extra, strict=True):
+                group.extend(blocks[: -(-common // self.block_size)])
+        return pos + common, extra
+
     def touch_stale(self, blocks: Iterable[int]) -> None:
         """A match read `blocks` (a sliding group's window): the stale ones among them are the
         most recently used, released after every other stale block."""
