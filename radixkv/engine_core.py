@@ -37,6 +37,7 @@ from radixkv.cache.block_pool import BlockPool, num_blocks_for_budget, parse_byt
 from radixkv.cache.eviction import make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
@@ -92,7 +93,15 @@ class EngineCore:
                 )
             self.max_model_len = config.max_model_len
         m = self.model
-        per_block = kv_block_bytes(m.num_layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        host_bytes = parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True)
+        # A block holds one KV group's layers. The host tier, the KV store and tensor-parallel
+        # ranks move whole blocks of every layer, so with any of them every layer keeps every
+        # block (one group, the kernel still masking each window), as for a model of one window.
+        split = not (host_bytes or config.kv_store is not None or parallel is not None)
+        self.groups = kv_groups(m.layer_windows, split)
+        grouped = self.groups if self.groups.num_groups > 1 else None
+        layers = self.groups.layers_per_group
+        per_block = kv_block_bytes(layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
         profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
         budget = config.kv_cache_memory or profile(
             m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -102,7 +111,7 @@ class EngineCore:
         )
         self.pool = BlockPool(num_blocks_for_budget(budget, per_block), config.block_size)
         host = None
-        if parse_bytes(config.host_kv_cache_memory, "host_kv_cache_memory", allow_zero=True):
+        if host_bytes:
             num_host = num_blocks_for_budget(config.host_kv_cache_memory, per_block, "host_kv_cache_memory")
             host = HostTier(num_host, config.block_size, write_through=config.host_write_through)
         self.store = self._open_store(config, per_block)
@@ -110,7 +119,7 @@ class EngineCore:
         if config.enable_prefix_cache:
             keys = self.store.keyspace if self.store is not None else None
             cache = RadixCache(self.pool, make_policy(config.eviction), host, keys)
-        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode)
+        self.kv = KVCacheManager(self.pool, cache, config.preemption_mode, grouped)
         num_host = host.pool.num_blocks if host else 0
         self.runner: ModelRunner | ParallelRunner
         if parallel is not None:  # CUDA graphs stay off: a captured step would hold the all-reduces
@@ -119,12 +128,14 @@ class EngineCore:
         else:
             graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
             self.runner = ModelRunner(
-                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs
+                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs,
+                groups=self.groups,
             )
             self.runner.store = self.store
         self.inputs = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
             self.pool.num_blocks, config.block_size, self.runner.device,
+            windows=self.kv.windows, max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(
             self.kv,

@@ -4,7 +4,8 @@ Shared by the engine core (in process) and the front end of an engine in its own
 (`radixkv.engine_process`), which validates and tokenizes in the caller's process so that bad
 input is a ValueError at the call and the core only ever receives requests that fit. It needs no
 model, only the numbers that bound a request: the tokenizer, vocabulary size, `max_model_len`,
-`max_num_seqs` and the KV pool's size in blocks.
+`max_num_seqs`, the KV pool's size in blocks and, with sliding-window KV groups
+(`radixkv.cache.kv_groups`), the windows of groups 1.. and the step's token budget.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ Params = SamplingParams | BeamSearchParams
 
 class InputProcessor:
     """`device` is where a seeded sample's generator lives (None: make none, as a front end
-    does; the core makes its own when it builds the request again)."""
+    does; the core makes its own when it builds the request again). `windows`: the windows of
+    KV groups 1.. (`KVCacheManager.windows`; None for a second global group), whose blocks come
+    from the same pool; `max_num_batched_tokens` bounds the prefill chunk a sliding group holds
+    at once."""
 
     def __init__(
         self,
@@ -36,6 +40,8 @@ class InputProcessor:
         num_blocks: int,
         block_size: int,
         device: Any = None,
+        windows: tuple[int | None, ...] = (),
+        max_num_batched_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -44,6 +50,8 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
+        self.windows = windows
+        self.max_num_batched_tokens = max_num_batched_tokens
         self._ids = itertools.count()
 
     def decode(self, ids: list[int]) -> str:
@@ -147,11 +155,20 @@ class InputProcessor:
             field = "beam_width" if isinstance(params, BeamSearchParams) else "n"
             raise ValueError(f"{field} {width} exceeds max_num_seqs {self.max_num_seqs}")
         total = min(len(ids) + params.max_tokens, self.max_model_len)
-        prompt_blocks = -(-len(ids) // self.block_size)
-        need = prompt_blocks + width * (-(-total // self.block_size) - prompt_blocks + 1)
+        prompt_blocks = self._blocks_for(len(ids))
+        need = one = prompt_blocks + width * (self._blocks_for(total) - prompt_blocks + 1)
+        for window in self.windows:  # a sliding group: a prefill chunk's span, or each
+            if window is None:  # sequence's window while they decode
+                need += one
+            else:
+                chunk = self._blocks_for(window + self.max_num_batched_tokens) + 1
+                need += min(one, max(chunk, width * (self._blocks_for(window) + 2)))
         if need > self.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks (prompt {len(ids)} tokens, max_tokens "
                 f"{params.max_tokens}, {width} sequences) but the pool has {self.num_blocks}; "
                 "raise kv_cache_memory or shorten the request"
             )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -92,6 +92,7 @@ class ScheduledSeq(SequenceChunk):
         end = start + num_tokens
         self.request, self.seq = request, seq
         self.token_ids, self.start_pos, self.block_table = seq.tokens[start:end], start, seq.table.blocks
+        self.group_tables = seq.table.extra
         self.logits = "last" if end == len(seq.tokens) else "none"
         if request.prompt_logprobs is not None and start < seq.num_prompt_tokens:
             self.logits = "all"  # the prompt's logprobs: one row per token, the last maybe sampled
@@ -167,6 +168,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
+        if self.kv.windows and len(self.waiting):  # KV groups: the next to admit keeps its hit's
+            head = next(iter(self.waiting))  # window while the running requests grow below
+            self.kv.keep_window(head.seqs[0].tokens, head.cache_salt)
         append_slot = self.kv.append_slot
         i = 0
         while i < len(self.running) and budget > 0:

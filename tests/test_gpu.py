@@ -1,7 +1,8 @@
 """The GPU suite: `pytest -m gpu`, skipped without CUDA.
 
 Compiled (not interpreted) kernels against the plain-torch reference in float16 and bfloat16, the
-engine's greedy and beam outputs against transformers on CUDA (CUDA graphs on, and off), steps
+engine's greedy and beam outputs against transformers on CUDA (CUDA graphs on, and off; with
+sliding-window KV groups too), steps
 that make no tensor off the engine's device, and the decode bandwidth benchmark.
 """
 
@@ -109,6 +110,38 @@ def test_engine_greedy_matches_transformers_on_cuda(model_folders, reference_mod
         assert not engine.runner.graphs.failed, "a decode graph failed to capture; the engine ran eagerly"
     engine.check_invariants()
 
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_kv_groups_on_cuda_match_transformers_with_graphs_on_and_off(enforce_eager):
+    """Gemma 3's six KV groups (`radixkv.cache.kv_groups`) on CUDA, decode graphs replaying every
+    group's slots and tables: greedy tokens past the 32-token window, the later prompts hitting
+    the first's prefix, equal transformers' (teacher-forced)."""
+    from radixkv.model.loader import load_model
+
+    reference = load_model("tiny-gemma3", dtype="float32", device="cuda").model
+    engine = Engine(
+        EngineConfig(
+            model="tiny-gemma3", dtype="float32", device="cuda", block_size=16, kv_cache_memory="16MiB",
+            enforce_eager=enforce_eager,
+        )
+    )
+    assert len(engine.kv.windows) == 5
+    rng = random.Random(1)
+    shared = [rng.randrange(256) for _ in range(70)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(4, 60))] for _ in range(6)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    outs = [*engine.generate(prompts[:1], params), *engine.generate(prompts[1:], params)]
+    assert outs[1].num_cached_tokens >= 64
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([prompt + out.token_ids], device=CUDA)
+            expected = reference(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert out.token_ids == expected
+    assert (engine.runner.graphs is None) == enforce_eager
+    if not enforce_eager:
+        assert not engine.runner.graphs.failed, "a decode graph failed to capture; the engine ran eagerly"
+    engine.check_invariants()
 
 def test_beam_search_on_cuda_matches_transformers(model_folders, reference_models):
     reference = cuda_reference(reference_models, "qwen2")

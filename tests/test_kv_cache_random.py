@@ -18,6 +18,7 @@ from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.eviction import Adaptive, EvictionPolicy, make_policy
 from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
+from radixkv.cache.kv_groups import kv_groups, sliding_keep_from
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import TOKEN_BITS, salt_offset
 from radixkv.kvstore import KeySpace, StoredBlock, StoredRun
@@ -433,3 +434,218 @@ def test_random_operations_with_a_kv_store_keep_every_tokens_kv(block_size, seed
     h = StoreHarness(block_size, max(48, 600 // block_size), seed, policy)
     run(h, run_length(2000))
     assert h.cache.num_saved and h.fetched_tokens, "the store was not exercised"
+
+
+class GroupsHarness(AppendSlotHarness):
+    """KV groups (`radixkv.cache.kv_groups`): a global layer and three sliding ones, two with a
+    window wider than two blocks and one with a window inside a block. The naive reference
+    still bounds every match (a group may only cut it short), the fake KV of every group's
+    blocks must read back inside its window, and a sequence readmitted right after it was
+    cached must match whole: what the tree keeps of a path is at least the window before its
+    end, in every group (unless the path runs on past it: then the longer path's windows decide)."""
+
+    def __init__(self, block_size: int, num_blocks: int, seed: int, policy: str = "lru") -> None:
+        super().__init__(block_size, num_blocks, seed, policy, exact=False)
+        wide, narrow = 2 * block_size + 1, max(1, block_size // 2 + 1)
+        self.kv = KVCacheManager(self.pool, self.cache, groups=kv_groups((wide, None, narrow, wide)))
+        self.windows = self.kv.windows
+        assert self.windows == (wide, wide, narrow)  # groups of one layer, the widest first
+        self.resumed = 0
+        self.released = 0  # sliding blocks released from a live table
+        self.saw_stale = False
+
+    def grow(self, plan: list[tuple[int, int]]) -> None:
+        starts = [self.live[i][0].num_tokens for i, _ in plan]
+        for i, _ in plan:  # what `reserve` releases first, so that num_available stays exact
+            self.kv.release_windows(self.live[i][0])
+        super().grow(plan)
+        for (i, _), start in zip(plan, starts, strict=True):  # the groups' fake KV, as every layer
+            table, tokens = self.live[i]  # is written (nothing, when the reservation failed)
+            for blocks in table.extra:
+                for p in range(start, table.num_tokens):
+                    self.slots[blocks[p // self.B], p % self.B] = tokens[p]
+
+    def append(self, i: int, n: int) -> None:
+        table, tokens = self.live[i]
+        start = table.num_tokens
+        if n != 1 or self.rng.random() < 0.3 or not self.kv.append_slot(table):
+            return Harness.append(self, i, n)
+        while len(tokens) <= start:
+            tokens.append(self.rng.randrange(3))
+        for blocks in (table.blocks, *table.extra):
+            self.slots[blocks[start // self.B], start % self.B] = tokens[start]
+        self.fast += 1
+
+    def admit(self) -> None:
+        super().admit()  # exact=False: a group may cut the reference's match short, never lengthen it
+        self.released += sum(b == self.kv.null_block for e in self.live[-1][0].extra for b in e)
+
+    def operate(self) -> None:
+        if self.reference and self.rng.random() < 0.05:  # a waiting request keeps its window
+            salt, done = self.rng.choice(self.reference)
+            self.kv.keep_window(done + [self.rng.randrange(3)], salt)
+        if not self.live or self.rng.random() > 0.1:
+            return super().operate()
+        table, tokens = self.live.pop(self.rng.randrange(len(self.live)))
+        computed, salt = table.num_tokens, self.salt_of.pop(table)
+        self.kv.cache_finished(table, tokens)
+        if not computed:
+            return
+        done = tokens[:computed]
+        # Where the tree's path runs on past the sequence, that longer path's windows decide.
+        longer = (q for s, q in self.reference if s == salt and len(q) > computed)
+        ends_here = not any(q[:computed] == done for q in longer)
+        self.reference.append((salt, done))
+        again = done + [self.rng.randrange(3)]
+        resumed = self.kv.admit(again, next(self.owners), salt=salt)
+        if ends_here:
+            assert resumed.num_tokens == computed, f"resumed at {resumed.num_tokens} of {computed} cached"
+            self.resumed += 1
+        self.salt_of[resumed] = salt
+        self.live.append((resumed, again))
+        self.append(len(self.live) - 1, 1)
+
+    def evict(self, n: int) -> None:
+        free_before = self.pool.num_free
+        freed = self.cache.evict(n)
+        assert self.pool.num_free == free_before + freed
+        # a position's blocks of every group go together: up to groups - 1 past n
+        assert n <= freed < n + len(self.windows) + 1 or (freed < n and self.cache.evictable_size == 0)
+
+    def check(self) -> None:
+        self.kv.run_transfers(self)
+        self.kv.check_invariants(t for t, _ in self.live)
+        null = self.kv.null_block
+        nodes = [n for n in self.cache.nodes() if n is not self.cache.root and not n.lock_ref]
+        unlocked = [b for n in nodes for b in n.blocks + [b for e in n.extra for b in e if b != null]]
+        self.saw_stale |= bool(self.cache.stale)
+        # stale group blocks of locked nodes too (the tree releases them first)
+        unlocked += [b for b in self.cache.stale if self.cache._node_of[b].lock_ref]
+        only_cached = sum(self.pool.refcount(b) == 1 for b in unlocked)
+        assert self.kv.num_available == self.pool.num_free + only_cached, "num_available is not exact"
+        runs = [(tokens[: t.num_tokens], t.blocks, f"group 0 KV of {t}") for t, tokens in self.live]
+        for table, tokens in self.live:
+            for window, blocks in zip(self.windows, table.extra, strict=True):
+                lo = sliding_keep_from(table.num_tokens, window, self.B) * self.B
+                assert self.reads_back_from(lo, tokens[: table.num_tokens], blocks), "a group's KV corrupted"
+        nodes = list(self.cache.nodes())
+        for node in nodes:
+            tokens = [t & TOKEN_MASK for t in node.tokens]
+            if node.blocks:
+                runs.append((tokens, node.blocks, f"cached KV of {node}"))
+            for blocks in node.extra:
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        part = tokens[i * self.B : (i + 1) * self.B]
+                        runs.append((part, [b], f"a group's cached KV of {node}"))
+        if not self.reads_back(runs, self.slots):
+            bad = next(run for run in runs if not self.reads_back([run], self.slots))
+            raise AssertionError(f"{bad[2]} corrupted")
+        assert self.kv.slot_usage(t for t, _ in self.live) == self.slot_usage_recount(nodes)
+
+    def reads_back_from(self, lo: int, tokens: list[int], blocks: list[int]) -> bool:
+        pos = np.arange(lo, len(tokens))
+        ids = np.asarray(blocks, dtype=np.int64)[pos // self.B]
+        return np.array_equal(self.slots[ids, pos % self.B], np.asarray(tokens[lo:], dtype=np.int64))
+
+    def slot_usage_recount(self, nodes: list) -> tuple[int, int]:
+        filled: dict[int, int] = {}
+        null = self.kv.null_block
+        for node in nodes:
+            for blocks in (node.blocks, *node.extra):
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        filled[b] = min(self.B, len(node.tokens) - i * self.B)
+        for table, _ in self.live:
+            for blocks in (table.blocks, *table.extra):
+                for i, b in enumerate(blocks):
+                    if b != null:
+                        filled[b] = max(filled.get(b, 0), min(self.B, table.num_tokens - i * self.B))
+        return sum(filled.values()), (self.kv.pool.num_blocks - self.kv.pool.num_free - 1) * self.B
+
+
+@pytest.mark.parametrize(
+    ("block_size", "seed", "policy"),
+    [(1, 40, "lru"), (4, 41, "lru"), (8, 42, "adaptive"), (16, 43, "session")],
+)
+def test_random_operations_with_sliding_window_groups(block_size, seed, policy):
+    """Windows freed for running sequences and in the tree, with forks, copy-on-write, eviction
+    and OutOfBlocks throughout; no block leaks once every sequence is gone."""
+    h = GroupsHarness(block_size, num_blocks=max(64, 900 // block_size), seed=seed, policy=policy)
+    for _ in range(run_length(4000, least=600)):
+        h.step()
+        h.check()
+    assert h.saw_stale, "no group block went stale"
+    copies = h.kv.num_cow_copies or block_size == 1  # one-token blocks are never written shared
+    assert h.resumed > 10 and h.released and copies and h.fast, "the groups went untested"
+    while h.live:
+        h.kv.release(h.live.pop()[0])
+    h.check()
+    cached = h.cache.evictable_size + len(h.cache.stale)
+    assert h.pool.num_free + cached == h.pool.num_blocks - 1, "blocks leaked"
+
+
+def test_stale_group_blocks_go_by_position_in_every_group_and_a_matched_window_last() -> None:
+    """Eviction releases stale sliding blocks the farthest back first, every group's block of a
+    position together (a match needs every group's window), and a window a match read (a request
+    that waits for room) after the others: its hit survives the pressure."""
+    B = 4
+    pool = BlockPool(64, B)
+    kv = KVCacheManager(pool, RadixCache(pool, make_policy("lru")), groups=kv_groups((None, 8, 8)))
+    assert kv.windows == (8, 8)
+    first = list(range(1, 41))
+    table = kv.admit(first)
+    kv.reserve([(table, len(first))])
+    kv.cache_finished(table, first)  # blocks 0..7 of both sliding groups are stale now
+    waiting = first[:20] + list(range(100, 110))
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20  # it reads blocks 3 and 4 of each sliding group
+    kv.release(table)  # no room yet: it waits
+
+    def nulls() -> list[list[int]]:
+        null = kv.null_block
+        return [[i for i, b in enumerate(e) if b == null] for e in kv.cache.match_prefix(first).extra]
+
+    assert kv.cache.evict(4) == 4
+    assert nulls() == [[0, 1], [0, 1]]
+    assert kv.cache.evict(8) == 8
+    assert nulls() == [[0, 1, 2, 5, 6, 7], [0, 1, 2, 5, 6, 7]]
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20
+    kv.release(table)
+    kv.check_invariants([])
+
+
+def test_the_next_request_to_admit_keeps_its_window_through_newer_stale_blocks() -> None:
+    """`keep_window` (the scheduler calls it for the head of the waiting queue each step) makes the
+    stale blocks a waiting request's match reads the last that eviction releases, ahead of stale
+    blocks made later, and changes nothing else; `peek_groups` gives what `match_prefix` does."""
+    B = 4
+    pool = BlockPool(64, B)
+    kv = KVCacheManager(pool, RadixCache(pool, make_policy("lru")), groups=kv_groups((None, 8, 8)))
+    first, second = list(range(1, 41)), list(range(200, 240))
+    for tokens in (first, second):  # each leaves its blocks 0..7 stale in both sliding groups
+        table = kv.admit(tokens)
+        kv.reserve([(table, len(tokens))])
+        kv.cache_finished(table, tokens)
+    waiting = first[:20] + list(range(100, 110))  # its match reads blocks 3 and 4 of first's path
+
+    def books() -> list[tuple[int, int, int, int]]:
+        return [(n.id, n.last_access, n.hits, len(n.blocks)) for n in kv.cache.nodes()]
+
+    before, sizes = books(), (kv.cache.evictable_size, len(kv.cache.stale), pool.num_free)
+    kv.keep_window(waiting)
+    assert books() == before and (kv.cache.evictable_size, len(kv.cache.stale), pool.num_free) == sizes
+    assert kv.cache.evict(28) == 28  # all 32 stale blocks but 4
+    null = kv.null_block
+    kept = [[i for i, b in enumerate(e) if b != null] for e in kv.cache.match_prefix(first).extra]
+    assert kept == [[3, 4, 8, 9], [3, 4, 8, 9]]  # the window of the hit, and of the path's end
+    table = kv.admit(waiting)
+    assert table.num_tokens == 20
+    kv.release(table)
+    for n in (0, 3, 17, 20, 39):  # the side-effect-free peek agrees with a match
+        keys = second[:n]
+        peeked = kv.cache.peek_groups(keys)
+        match = kv.cache.match_prefix(keys)
+        assert peeked == (match.num_tokens, match.extra)
+    kv.check_invariants([])

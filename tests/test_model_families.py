@@ -18,6 +18,7 @@ from test_beam_search import search_all, transformers_beams
 from test_engine import no_leaks, transformers_greedy
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
+from radixkv.cache.kv_groups import kv_groups
 from radixkv.model.loader import LoadedModel, layer_windows, load_model
 from radixkv.model.presets import PRESETS, SLIDING_WINDOW
 from radixkv.model.runner import ModelRunner, kv_block_bytes
@@ -32,18 +33,37 @@ def oracle(name: str) -> LoadedModel:
     return load_model(name, dtype="float32", device="cpu")
 
 
-def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4) -> Engine:
-    """The preset in an engine with `num_blocks` KV blocks (roomy when None), invariants checked each step."""
+def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4, **config: object) -> Engine:
+    """The preset in an engine with `num_blocks` KV blocks (roomy when None), invariants checked each
+    step. With KV groups (`radixkv.cache.kv_groups`) a block holds one group's layers."""
     loaded = oracle(name)
-    block = kv_block_bytes(loaded.num_layers, block_size, loaded.num_kv_heads, loaded.head_dim, torch.float32)
+    layers = kv_groups(loaded.layer_windows).layers_per_group
+    block = kv_block_bytes(layers, block_size, loaded.num_kv_heads, loaded.head_dim, torch.float32)
     engine = Engine(
         EngineConfig(
             model=name, dtype="float32", device="cpu", block_size=block_size,
-            kv_cache_memory=block * (num_blocks or 1024),
+            kv_cache_memory=block * (num_blocks or 1024), **config,
         )
     )
     engine.step_hooks.append(Engine.check_invariants)
     return engine
+
+
+def run_after_shared_prefix(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, shared: int
+) -> list:
+    """Runs two prompts to the end, the second added once the cache holds the first's `shared`
+    leading tokens (so that it can hit them), and returns their outputs."""
+    first = engine.add_request(prompts[0], params)
+    for _ in range(10):
+        engine.step()
+        if engine.kv.cached_prefix_len(prompts[0]) >= shared:
+            break
+    else:
+        raise AssertionError("the first prompt's shared prefix was never cached")
+    second = engine.add_request(prompts[1], params)
+    engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
+    return [engine.output(first), engine.output(second)]
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -67,18 +87,26 @@ def test_presets_window_the_layers_transformers_windows() -> None:
             assert not torch.allclose(loaded.model(ids).logits, windowed, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "split"), [(name, True) for name in FAMILIES] + [("tiny-gemma2", False), ("tiny-gemma3", False)]
+)
+def test_prefill_then_extend_past_the_window_gives_transformers_logits(name: str, split: bool) -> None:
     """Two runner steps: 45 tokens, then 12 more over the cached 45 on shuffled blocks; every row's
     logits equal transformers' forward over the whole 57, within float noise (the experts amplify it:
-    transformers' own sdpa and eager attention differ by up to 8e-4 on tiny-mixtral)."""
+    transformers' own sdpa and eager attention differ by up to 8e-4 on tiny-mixtral). Each KV group
+    (`radixkv.cache.kv_groups`) has its own shuffled blocks; unsplit, Gemma keeps one group of every
+    layer (the layout with a host tier, a KV store or tensor parallelism)."""
     loaded = oracle(name)
     reference = load_model(name, dtype="float32", device="cpu").model
-    runner = ModelRunner(loaded, num_blocks=20, block_size=4)
+    layout = kv_groups(loaded.layer_windows, split)
+    groups = layout.num_groups
+    assert groups == 1 or split
+    runner = ModelRunner(loaded, num_blocks=20 * groups, block_size=4, groups=layout)
     ids = tokens(57, seed=5)
-    table = random.Random(0).sample(range(20), 15)
-    first = runner.forward([SequenceChunk(ids[:45], 0, table[:12], logits="all")])
-    second = runner.forward([SequenceChunk(ids[45:], 45, table, logits="all")])
+    shuffled = random.Random(0).sample(range(20 * groups), 15 * groups)
+    table, others = shuffled[:15], [shuffled[15 * g : 15 * g + 15] for g in range(1, groups)]
+    first = runner.forward([SequenceChunk(ids[:45], 0, table[:12], "all", [t[:12] for t in others])])
+    second = runner.forward([SequenceChunk(ids[45:], 45, table, "all", others)])
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(torch.cat([first, second]), expected, atol=4e-3, rtol=0)
@@ -105,17 +133,22 @@ def test_greedy_past_the_window_with_a_prefix_hit_equals_transformers(name: str)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_long_greedy_with_prefix_hits_and_preemption_equals_transformers(name: str) -> None:
     """Two ~200-token prompts sharing 120 tokens, then 64 tokens each (twice the window), on blocks for
-    one and a half of them: the second hits the first's prefix, and one of them is preempted."""
+    one and a half of them: the second hits the first's prefix, and one of them is preempted. With KV
+    groups the sliding layers hold only their windows, so the pool is smaller and prefill chunks
+    keep one request's peak under it. tiny-gemma3's 180 blocks (with 64-token chunks, 200 let both
+    decode to the end side by side) hold the first request and the window before the second's hit
+    while the first prefills: the second, waiting, keeps it (`KVCacheManager.keep_window`)."""
     model = oracle(name).model
     shared = tokens(120, seed=3)
     prompts = [shared + tokens(80 + 7 * i, seed=4 + i) for i in range(2)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    engine = engine_for(name, num_blocks=90)
-    first = engine.add_request(prompts[0], params)
-    engine.step()  # the first prompt's blocks are in the tree before the second arrives
-    second = engine.add_request(prompts[1], params)
-    engine.run_until(lambda: engine.is_finished(first) and engine.is_finished(second))
-    outs = [engine.output(first), engine.output(second)]
+    grouped = {"tiny-gemma2": (100, 32), "tiny-gemma3": (180, 32)}
+    if name in grouped:
+        pool, chunk = grouped[name]
+        engine = engine_for(name, num_blocks=pool, max_num_batched_tokens=chunk)
+    else:
+        engine = engine_for(name, num_blocks=90)
+    outs = run_after_shared_prefix(engine, prompts, params, len(shared))
     assert engine.metrics()["num_preemptions"] > 0
     assert outs[1].num_cached_tokens >= 120
     for prompt, out in zip(prompts, outs, strict=True):

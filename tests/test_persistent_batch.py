@@ -38,16 +38,30 @@ def check_against_scratch(batch: PersistentBatch, chunks: list[SequenceChunk]) -
     assert step.query_start_loc.tolist() == starts
     for i, chunk in enumerate(chunks):
         assert step.block_table[i, : len(chunk.block_table)].tolist() == chunk.block_table
+    for g, (group_slots, group_table) in enumerate(zip(step.group_slots, step.group_tables, strict=True)):
+        expected = []
+        for i, chunk in enumerate(chunks):  # a KV group's own slots and rows
+            table = chunk.group_tables[g]
+            assert group_table[i, : len(table)].tolist() == table
+            for j in range(len(chunk.token_ids)):
+                pos = chunk.start_pos + j
+                expected.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        assert group_slots.tolist() == expected
+    assert len(step.group_tables) == (len(chunks[0].group_tables) if chunks else 0)
     # Every tensor of the step starts 16-byte aligned whatever the batch's sizes (Triton compiles a
     # kernel variant per alignment of its pointer arguments).
-    assert all(t.data_ptr() % 16 == 0 for t in step)
+    tensors = [*step[:7], *step.group_slots, *step.group_tables]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_rows_follow_grown_swapped_and_reordered_tables(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "groups"), [(0, 1), (1, 1), (2, 1), (3, 3)])
+def test_rows_follow_grown_swapped_and_reordered_tables(seed: int, groups: int) -> None:
+    """`groups` KV groups: groups 1.. have tables of their own, whose leading entries are
+    released now and then (a sliding window's null block, 0 here)."""
     rng = random.Random(seed)
-    batch = PersistentBatch(NUM_BLOCKS, BLOCK_SIZE, MAX_LEN, torch.device("cpu"))
+    batch = PersistentBatch(NUM_BLOCKS, BLOCK_SIZE, MAX_LEN, torch.device("cpu"), groups)
     seqs: list[tuple[list[int], int]] = []  # (block table, tokens computed)
+    others: dict[int, list[list[int]]] = {}  # id of a block table -> its groups' tables
     for _ in range(60):
         if len(seqs) < 6 and rng.random() < 0.4:
             seqs.insert(rng.randrange(len(seqs) + 1), ([], 0))
@@ -63,8 +77,17 @@ def test_rows_follow_grown_swapped_and_reordered_tables(seed: int) -> None:
                 table.append(rng.randrange(NUM_BLOCKS))  # grows in place, like a BlockTable's list
             if table and rng.random() < 0.1:
                 table[rng.randrange(len(table))] = rng.randrange(NUM_BLOCKS)  # copy-on-write, in place
+            mine = others.setdefault(id(table), [[] for _ in range(groups - 1)])
+            for other in mine:
+                other[len(table) :] = []
+                while len(other) < len(table):
+                    other.append(rng.randrange(1, NUM_BLOCKS))
+                if rng.random() < 0.2:  # released blocks before the ones written now
+                    released = rng.randrange(done // BLOCK_SIZE + 1)
+                    other[:released] = [0] * released
             mode = rng.choice(["last", "last", "all", "none"])
-            chunks.append(SequenceChunk([rng.randrange(256) for _ in range(n)], done, table, mode))
+            tokens = [rng.randrange(256) for _ in range(n)]
+            chunks.append(SequenceChunk(tokens, done, table, mode, mine))
             seqs[k] = (table, done + n)
         if chunks:
             check_against_scratch(batch, chunks)

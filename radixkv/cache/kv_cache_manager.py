@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
+from radixkv.cache.kv_groups import KVGroups, sliding_keep_from, valid_match_end
 from radixkv.cache.radix_cache import RadixCache, RadixNode
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.errors import InvariantError
@@ -85,7 +86,9 @@ class BlockTable:
     are filled (or being filled this step). `node`, when set, is the locked cached path.
     `session`, when set, is the chat session the sequence belongs to: what it caches is tagged
     with it, for the `session` eviction policy. `key_offset` is its cache namespace
-    (`radixkv.cache.salt`): the tokens it matches and caches are keyed shifted by it."""
+    (`radixkv.cache.salt`): the tokens it matches and caches are keyed shifted by it.
+    `extra[g - 1]`: the table of KV group g >= 1 (`radixkv.cache.kv_groups`), as long as
+    `blocks`; a sliding group's entries before its window are the manager's null block."""
 
     blocks: list[int]
     num_tokens: int = 0
@@ -95,6 +98,7 @@ class BlockTable:
     num_loaded_tokens: int = 0  # of the tokens matched at admission, those loaded from the host
     num_stored_tokens: int = 0  # of the tokens matched at admission, those fetched from the KV store
     key_offset: int = 0
+    extra: list[list[int]] = field(default_factory=list)
 
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -105,9 +109,21 @@ class KVCacheManager:
     the tree like a finished sequence's, and whatever eviction leaves of it is a hit on
     resumption. `swap` (needs a host tier): it is cached, moved to the host tier at once, and
     pinned there until the request is admitted again, so resumption loads all of it and
-    recomputes nothing."""
+    recomputes nothing.
 
-    def __init__(self, pool: BlockPool, cache: RadixCache | None, preemption_mode: str = "recompute") -> None:
+    `groups` (`radixkv.cache.kv_groups`), when it has more than one group: every table keeps one
+    block list per group, all from `pool`; a sliding group's blocks that left the window of every
+    token still to come are released (their entries become `null_block`, a block the manager
+    holds for ever and no kernel reads), and a cache match is cut to the longest prefix whose
+    window every sliding group still holds."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        cache: RadixCache | None,
+        preemption_mode: str = "recompute",
+        groups: KVGroups | None = None,
+    ) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if preemption_mode == "swap" and (cache is None or cache.host is None):
@@ -122,13 +138,23 @@ class KVCacheManager:
         self._swapped: dict[object, list[RadixNode]] = {}  # owner -> locked paths of its swapped KV
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        # groups 1..: their windows (None: a second global group), and the null block
+        self.windows: tuple[int | None, ...] = groups.windows[1:] if groups is not None else ()
+        self.null_block = -1
+        if self.windows:
+            if preemption_mode == "swap":
+                raise ValueError("preemption_mode 'swap' is not supported with sliding-window KV groups")
+            (self.null_block,) = pool.allocate(1)
+            if cache is not None:
+                cache.set_groups(self.windows, self.null_block)
 
     @property
     def num_available(self) -> int:
         """Blocks that allocation plus eviction can deliver now, exactly: the free ones, and the
         evictable cached ones that nothing else references. A cached block of an unlocked node
         can still be referenced beyond the locked path of a live table (a partly matched last
-        block, a fork's shared tail) or by a pending copy; evicting it frees nothing."""
+        block, a fork's shared tail) or by a pending copy; evicting it frees nothing. Stale
+        group blocks (`RadixCache.stale`) count as evictable, locked or not."""
         if self.cache is None:
             return self.pool.num_free
         evictable = self.cache.evictable_block
@@ -137,7 +163,9 @@ class KVCacheManager:
             for t in tables:
                 locked = t.node.end // self.block_size if t.node is not None else 0
                 pinned.update(b for b in t.blocks[locked:] if evictable(b))
-        return self.pool.num_free + self.cache.evictable_size - len(pinned)
+                for blocks in t.extra:  # a stale group block may lie inside the locked path too
+                    pinned.update(b for b in blocks if evictable(b))
+        return self.pool.num_free + self.cache.evictable_size + len(self.cache.stale) - len(pinned)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -159,15 +187,24 @@ class KVCacheManager:
         the tree (`load_stored`). `salt` (a request's `cache_salt`) limits what it matches and
         caches to its namespace."""
         offset = salt_offset(salt)
+        def empty() -> BlockTable:
+            extra = [[] for _ in self.windows]
+            table = BlockTable([], owner=owner, session=session, key_offset=offset, extra=extra)
+            return self._register(table)
+
         if self.cache is None:
-            return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
+            return empty()
         if session is not None:
             self.cache.set_session_live(session, True)
         limit = len(tokens) - 1 if max_match is None else min(len(tokens) - 1, max_match)
         if limit < 1:
-            return self._register(BlockTable([], owner=owner, session=session, key_offset=offset))
+            return empty()
         keys = salted(tokens[:limit], offset)
         match = self.cache.match_prefix(keys, session)
+        if self.windows:
+            end = self._valid_end(match.num_tokens, match.extra)
+            if end < match.num_tokens:  # a sliding group lacks the window before the match's end
+                match = self.cache.match_prefix(keys[:end], session)
         fetched = 0
         if stored is not None and stored.blocks:
             fetched = self.cache.load_stored(keys, match, stored, session)
@@ -177,11 +214,61 @@ class KVCacheManager:
         for b in match.blocks:
             self.pool.incref(b)
         blocks, loaded = list(match.blocks), match.host_tokens
+        extra = []
+        for window, e in zip(self.windows, match.extra, strict=True):
+            # a sliding group takes only its window: the entries before it stay null, so a
+            # table's freed entries are always its leading ones (`release_windows`)
+            keep = 0 if window is None else sliding_keep_from(match.num_tokens, window, self.block_size)
+            extra.append([self.null_block] * keep + e[keep:])
+            for b in e[keep:]:
+                self.pool.incref(b)
+            self.cache.touch_stale(e[keep:])
         table = BlockTable(
             blocks, match.num_tokens, match.node, owner, session, num_loaded_tokens=loaded,
-            num_stored_tokens=fetched, key_offset=offset,
+            num_stored_tokens=fetched, key_offset=offset, extra=extra,
         )
         return self._register(table)
+
+    def _valid_end(self, num_tokens: int, extra: tuple[list[int], ...]) -> int:
+        """The longest prefix of a match of `num_tokens` tokens whose window every sliding group
+        holds, `extra` being the groups' blocks along it."""
+        end, last = num_tokens, -1
+        while end != last:  # a cut for one group needs every other group's check again
+            last = end
+            for window, blocks in zip(self.windows, extra, strict=True):
+                if window is not None:
+                    end = valid_match_end(blocks, self.null_block, end, window, self.block_size)
+        return end
+
+    def keep_window(self, tokens: list[int], salt: str | None = None) -> None:
+        """Makes the stale sliding-group blocks that a match of `tokens` (the next request to
+        admit) reads the most recently used (`RadixCache.touch_stale`), so that what the running
+        requests take meanwhile releases other stale blocks first and the request still hits
+        its prefix when room comes; locks, touches and changes nothing else. No-op without KV
+        groups."""
+        if self.cache is None or not self.windows or len(tokens) < 2:
+            return
+        matched, extra = self.cache.peek_groups(salted(tokens[:-1], salt_offset(salt)))
+        end = self._valid_end(matched, extra)
+        for window, blocks in zip(self.windows, extra, strict=True):
+            if window is not None:
+                first = sliding_keep_from(end, window, self.block_size)
+                self.cache.touch_stale(blocks[first : self.blocks_for(end)])
+
+    def release_windows(self, table: BlockTable) -> None:
+        """Releases the sliding groups' blocks of `table`, whose `num_tokens` are computed, that no
+        token to come reads. `reserve` and `append_slot` call it first; a caller that counts
+        `blocks_needed` against `num_available` may call it before, to count exactly. A table's
+        null entries are its leading ones, so this walks back only over new ones."""
+        null, num_tokens = self.null_block, table.num_tokens
+        for window, blocks in zip(self.windows, table.extra, strict=True):
+            if window is None:
+                continue
+            for i in range(sliding_keep_from(num_tokens, window, self.block_size) - 1, -1, -1):
+                if blocks[i] == null:
+                    break  # freed from the front: everything before is freed already
+                self.pool.decref(blocks[i])
+                blocks[i] = null
 
     def cached_prefix_len(self, tokens: list[int], salt: str | None = None) -> int:
         """How many leading tokens of `tokens` the cache holds in `salt`'s namespace (0 without a
@@ -200,31 +287,45 @@ class KVCacheManager:
         allocates the blocks they need and copies a shared block before it is written. All of
         it, or OutOfBlocks with nothing changed, so a request's sequences grow together."""
         B = self.block_size
+        if self.windows:  # what left a window is released first, whatever else happens
+            for table, _ in plan:
+                self.release_windows(table)
         if len(plan) == 1:  # the usual decode: one sequence, its slots in its own last block
             table, n = plan[0]
             start = table.num_tokens
             own_block = start % B and self.pool.refcount(table.blocks[start // B]) == 1
+            own_block = own_block and (not table.extra or self._owns(table, start // B))
             if own_block and start + n <= len(table.blocks) * B:
                 table.num_tokens = start + n
                 return
         self._ensure_free(self.blocks_needed(plan))
         for table, n in plan:
             start = table.num_tokens
-            if start % B and self.pool.refcount(table.blocks[start // B]) > 1:
-                (fresh,) = self.pool.allocate(1)
-                # The copy takes our reference on its source until it has run.
-                self.transfers.add(TransferKind.COPY, [table.blocks[start // B]], [fresh])
-                table.blocks[start // B] = fresh
-                self.num_cow_copies += 1
-            table.blocks.extend(self.pool.allocate(self.blocks_for(start + n) - len(table.blocks)))
+            new = self.blocks_for(start + n) - len(table.blocks)
+            for blocks in (table.blocks, *table.extra):
+                if start % B and self.pool.refcount(blocks[start // B]) > 1:
+                    (fresh,) = self.pool.allocate(1)
+                    # The copy takes our reference on its source until it has run.
+                    self.transfers.add(TransferKind.COPY, [blocks[start // B]], [fresh])
+                    blocks[start // B] = fresh
+                    self.num_cow_copies += 1
+                blocks.extend(self.pool.allocate(new))
             table.num_tokens = start + n
+
+    def _owns(self, table: BlockTable, i: int) -> bool:
+        """Whether block `i` of every group of `table` has no other holder."""
+        refcount = self.pool.refcount
+        return refcount(table.blocks[i]) == 1 and all(refcount(e[i]) == 1 for e in table.extra)
 
     def append_slot(self, table: BlockTable) -> bool:
         """`reserve([(table, 1)])` in O(1), for the usual decode, where it needs no copy and no
         eviction: takes the slot after the table's last token, in its last block when nothing
         else references that block, else in a free block appended to the table, and returns
-        True. Otherwise changes nothing and returns False (then `reserve` decides)."""
+        True. Otherwise changes nothing (but release what left a sliding window) and returns
+        False (then `reserve` decides). With KV groups, every group takes its slot alike."""
         start = table.num_tokens
+        if table.extra:
+            return self._append_slot_groups(table, start)
         if start % self.block_size:
             if self.pool.refcount(table.blocks[start // self.block_size]) != 1:
                 return False
@@ -235,33 +336,59 @@ class KVCacheManager:
         table.num_tokens = start + 1
         return True
 
+    def _append_slot_groups(self, table: BlockTable, start: int) -> bool:
+        self.release_windows(table)
+        if start % self.block_size:
+            if not self._owns(table, start // self.block_size):
+                return False
+        elif self.pool.num_free > len(table.extra):
+            for blocks in (table.blocks, *table.extra):
+                blocks += self.pool.allocate(1)
+        else:
+            return False
+        table.num_tokens = start + 1
+        return True
+
     def blocks_needed(self, plan: list[tuple[BlockTable, int]]) -> int:
         """Fresh blocks `reserve(plan)` takes: new ones, and copies of shared blocks written."""
         need = 0
         for table, n in plan:
             start = table.num_tokens
-            need += self.blocks_for(start + n) - len(table.blocks)
-            need += (
-                start % self.block_size != 0
-                and self.pool.refcount(table.blocks[start // self.block_size]) > 1
-            )
+            need += (self.blocks_for(start + n) - len(table.blocks)) * (1 + len(table.extra))
+            if start % self.block_size:
+                i = start // self.block_size
+                need += self.pool.refcount(table.blocks[i]) > 1
+                for e in table.extra:
+                    need += self.pool.refcount(e[i]) > 1
         return need
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second holder of the same KV (a beam, a parallel sample): shares every block."""
         for b in table.blocks:
             self.pool.incref(b)
+        null = self.null_block
+        for e in table.extra:
+            for b in e:
+                if b != null:
+                    self.pool.incref(b)
         if table.node is not None:
             self.cache.inc_lock(table.node)
         copy = BlockTable(
             list(table.blocks), table.num_tokens, table.node, table.owner, table.session,
-            key_offset=table.key_offset,
+            key_offset=table.key_offset, extra=[list(e) for e in table.extra],
         )
         return self._register(copy)
 
     def release(self, table: BlockTable) -> None:
         for b in table.blocks:
             self.pool.decref(b)
+        if table.extra:
+            null = self.null_block
+            for e in table.extra:
+                for b in e:
+                    if b != null:
+                        self.pool.decref(b)
+            table.extra = [[] for _ in self.windows]
         if table.node is not None:
             self.cache.dec_lock(table.node)
         table.blocks, table.num_tokens, table.node = [], 0, None
@@ -318,7 +445,7 @@ class KVCacheManager:
         computed = table.num_tokens if num_computed is None else num_computed
         if self.cache is not None and computed:
             keys = salted(tokens[:computed], table.key_offset)
-            self.cache.insert(keys, table.blocks, table.session)
+            self.cache.insert(keys, table.blocks, table.session, table.extra)
         self.release(table)
 
     def cache_running(self, table: BlockTable, tokens: list[int], num_computed: int | None = None) -> None:
@@ -334,7 +461,7 @@ class KVCacheManager:
         if full <= locked:
             return
         keys = salted(tokens[:full], table.key_offset)
-        self.cache.insert(keys, table.blocks, table.session)
+        self.cache.insert(keys, table.blocks, table.session, table.extra)
         match = self.cache.match_prefix(keys, table.session)
         self.cache.inc_lock(match.node)
         if table.node is not None:
@@ -342,11 +469,14 @@ class KVCacheManager:
         table.node = match.node
         # Only the whole blocks of the locked path: where the insert declined a run (a hash
         # collision), the match ends early, perhaps inside a block of some other prefix.
-        for i, b in enumerate(match.blocks[: match.node.end // self.block_size]):
-            if table.blocks[i] != b:
-                self.pool.incref(b)
-                self.pool.decref(table.blocks[i])
-                table.blocks[i] = b
+        locked = match.node.end // self.block_size
+        null = self.null_block
+        for ours, cached in zip((table.blocks, *table.extra), (match.blocks, *match.extra), strict=True):
+            for i, b in enumerate(cached[:locked]):
+                if ours[i] != b and b != null and ours[i] != null:
+                    self.pool.incref(b)
+                    self.pool.decref(ours[i])
+                    ours[i] = b
 
     def run_transfers(self, mover: BlockMover) -> None:
         """Executes the step's pending block transfers through `mover`, in order, then drops the
@@ -400,9 +530,10 @@ class KVCacheManager:
         holders: dict[int, int] = {}
         for table in tables:
             if table.num_tokens % B:
-                last = table.blocks[-1]
-                fill[last] = max(fill.get(last, 0), table.num_tokens % B)
-                holders[last] = holders.get(last, 0) + 1
+                for blocks in (table.blocks, *table.extra):  # every group's last block
+                    last = blocks[-1]
+                    fill[last] = max(fill.get(last, 0), table.num_tokens % B)
+                    holders[last] = holders.get(last, 0) + 1
         empty = 0
         for block, filled in partial.items():
             if self.pool.refcount(block) == 1 + holders.get(block, 0):
@@ -410,7 +541,7 @@ class KVCacheManager:
         for block, filled in fill.items():
             if block not in partial and self.pool.refcount(block) == holders[block]:
                 empty += B - filled
-        slots = (self.pool.num_blocks - self.pool.num_free) * B
+        slots = (self.pool.num_blocks - self.pool.num_free - (self.null_block >= 0)) * B  # not the null block
         return slots - empty, slots
 
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
@@ -421,11 +552,14 @@ class KVCacheManager:
         if live != {id(t) for t in tables}:
             raise InvariantError("a live table is held by no sequence (leaked) or unregistered")
         refs: Counter[int] = Counter(src for src, _ in self.pending_copies)
+        if self.windows:
+            refs[self.null_block] += 1  # the manager's own hold on it
         locks: Counter[int] = Counter()
         for t in tables:
             if len(t.blocks) != self.blocks_for(t.num_tokens):
                 raise InvariantError(f"{t} holds the wrong number of blocks")
             refs.update(t.blocks)
+            self._check_groups(t, refs)
             node = t.node
             while node is not None and node.parent is not None:
                 locks[node.id] += 1
@@ -461,6 +595,20 @@ class KVCacheManager:
                     raise InvariantError(f"host block {b}: refcount {count}, but {held[b]} nodes hold it")
             if set(host_free) != {b for b in range(host.pool.num_blocks) if not held[b]}:
                 raise InvariantError("host free list is wrong")
+
+    def _check_groups(self, t: BlockTable, refs: Counter[int]) -> None:
+        """Every group's table is as long as group 0's and holds every block its window needs."""
+        if len(t.extra) != len(self.windows):
+            raise InvariantError(f"{t} has {len(t.extra)} group tables, the model {len(self.windows)}")
+        for window, e in zip(self.windows, t.extra, strict=True):
+            if len(e) != len(t.blocks):
+                raise InvariantError(f"{t}: a group table of {len(e)} blocks, group 0's {len(t.blocks)}")
+            keep = 0 if window is None else sliding_keep_from(t.num_tokens, window, self.block_size)
+            if self.null_block in e[keep:]:
+                raise InvariantError(f"{t} released a block inside its window of {window} tokens")
+            if self.null_block in t.blocks:
+                raise InvariantError(f"{t} lists the null block in group 0")
+            refs.update(b for b in e if b != self.null_block)
 
     def _register(self, table: BlockTable) -> BlockTable:
         self._live.setdefault(table.owner, set()).add(table)

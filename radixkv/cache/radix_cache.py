@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import xxhash
@@ -45,6 +45,7 @@ from sortedcontainers import SortedList
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LRU, EvictionPolicy, SessionAware
 from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
+from radixkv.cache.kv_groups import sliding_keep_from
 from radixkv.errors import InvariantError
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class RadixNode:
         "by_first",
         "children",
         "device_children",
+        "extra",
         "hits",
         "host_blocks",
         "host_pin",
@@ -87,6 +89,7 @@ class RadixNode:
         self.start = start  # tokens before this edge; a multiple of block_size
         self.tokens = tokens
         self.blocks = blocks  # device blocks; empty when the KV lives on the host only
+        self.extra: list[list[int]] = []  # KV groups 1..: their blocks, null where released
         self.host_blocks: list[int] = []  # host blocks; empty when there is no host copy
         self.host_pin = 0  # swapped-out sequences ending here: the host tier must not evict it
         self.children: dict[int, RadixNode] = {}  # xxhash of the child's first block of tokens
@@ -116,13 +119,15 @@ class MatchResult(NamedTuple):
     `blocks` covers `ceil(num_tokens / block_size)` blocks. When `num_tokens` is not a multiple
     of the block size the last block is only partly matched: share it, and the first write
     copies it. `node` ends exactly at the last whole matched block; lock it to keep those blocks.
-    `host_tokens` of them were loaded from the host tier by this match.
+    `host_tokens` of them were loaded from the host tier by this match. `extra`: the blocks of
+    KV groups 1.. along the same prefix (`RadixCache.set_groups`), null where released.
     """
 
     node: RadixNode
     num_tokens: int
     blocks: list[int]
     host_tokens: int = 0
+    extra: tuple[list[int], ...] = ()
 
 
 class InsertResult(NamedTuple):
@@ -175,6 +180,35 @@ class RadixCache:
         # The last device block of each node that ends inside it, with its token count: every
         # other cached block is full, so a usage meter needs only these (KVCacheManager.slot_usage).
         self.partial_blocks: dict[int, int] = {}
+        self.windows: tuple[int | None, ...] = ()  # KV groups 1..: their windows (set_groups)
+        self.null_block = -1
+        # Group blocks out of every window of their path's end -> when they were made stale or
+        # last matched: cached still (a match may read them), released before anything else is
+        # evicted (set_groups, `_release_stale`).
+        self.stale: dict[int, int] = {}
+        self._stale_tick = 0
+
+    def set_groups(self, windows: tuple[int | None, ...], null_block: int) -> None:
+        """Caches KV groups 1.. (`radixkv.cache.kv_groups`) beside group 0, whose residency and
+        eviction every node follows: `node.extra[g - 1]` is group g's blocks of the node, as many
+        as `node.blocks`, `null_block` where released. A sliding group (window w) needs, along
+        each path, only the blocks a match at the end of the path reads: after an insert of n
+        tokens, the blocks wholly before n - w become stale up the path while no other branch
+        ends there (up to the first node with another child). A stale block stays cached, so a
+        match inside the path (a shared system prompt, say) still finds it, but it counts as
+        free: `evict` releases stale blocks first (`_release_stale`), and only then whole leaves
+        (`stale`, `num_stale`), as a sliding block freed by vLLM stays cached until reused. An
+        insert whose window needs a stale block makes it live again. Locking a node makes its
+        group blocks stale too: the tables that lock it hold the ones they read, so a locked
+        path never keeps the pool from them. A match never checks the
+        groups itself: the caller cuts it to where every window is held
+        (`KVCacheManager.admit`). No host tier or KV store yet: their transfers move group 0."""
+        if self.host is not None or self.store_keys is not None:
+            raise ValueError("sliding-window KV groups do not support a host tier or a KV store yet")
+        if self.num_cached_blocks:
+            raise ValueError("set_groups needs an empty cache")
+        self.windows, self.null_block = tuple(windows), null_block
+        self.root.extra = [[] for _ in windows]
 
     # ----------------------------------------------------------------- lookups
 
@@ -216,17 +250,39 @@ class RadixCache:
                     partial = None
             self.dec_lock(anchor)
         blocks = self._path_blocks(node)
+        extra = self._path_extra(node, partial) if self.windows else ()
         if partial is not None:
             blocks.append(partial.blocks[0])
             self._rekey(partial)  # its first block is read now, though the node is not matched whole
-        return MatchResult(node, node.end if partial is None else matched, blocks, host_tokens)
+        return MatchResult(node, node.end if partial is None else matched, blocks, host_tokens, extra)
+
+    def _path_extra(self, node: RadixNode, partial: RadixNode | None) -> tuple[list[int], ...]:
+        """Groups 1..'s blocks along the path to `node`, then `partial`'s first block."""
+        chain = []
+        while node is not self.root:
+            chain.append(node)
+            node = node.parent
+        out = tuple([] for _ in self.windows)
+        for n in reversed(chain):
+            for group, blocks in zip(out, n.extra, strict=True):
+                group.extend(blocks)
+        if partial is not None:
+            for group, blocks in zip(out, partial.extra, strict=True):
+                group.append(blocks[0])
+        return out
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` are cached, on either tier; changes nothing."""
         _, pos, _, common = self._walk(tokens, touch=False)
         return pos + common
 
-    def insert(self, tokens: list[int], blocks: list[int], session: str | None = None) -> InsertResult:
+    def insert(
+        self,
+        tokens: list[int],
+        blocks: list[int],
+        session: str | None = None,
+        extra: list[list[int]] | tuple[list[int], ...] = (),
+    ) -> InsertResult:
         """Caches `tokens` whose KV is in `blocks` (at least `ceil(len(tokens) / block_size)`).
 
         The cache takes its own reference on each block it keeps; the caller keeps its own and
@@ -234,9 +290,13 @@ class RadixCache:
         stay and the caller's are reported redundant; where it holds it on the host only, the
         node takes the caller's blocks as its device copy. A leaf that ends inside a block and
         is extended takes the caller's fuller copy of that block in place of its own.
-        With a KV store, the full blocks it caches anew are queued for the store.
+        With a KV store, the full blocks it caches anew are queued for the store. `extra`: the
+        blocks of KV groups 1.. beside `blocks` (`set_groups`), null where released; the tree
+        takes them where it has none of its own, then releases what left the windows.
         """
-        return self._insert(tokens, blocks, session, save=True)
+        if self.windows and len(extra) != len(self.windows):
+            raise ValueError(f"insert needs {len(self.windows)} group tables beside blocks, got {len(extra)}")
+        return self._insert(tokens, blocks, session, save=True, extra=extra)
 
     def load_stored(
         self, tokens: list[int], match: MatchResult, stored: StoredRun, session: str | None
@@ -268,7 +328,14 @@ class RadixCache:
         self.dec_lock(match.node)
         return len(run) * B
 
-    def _insert(self, tokens: list[int], blocks: list[int], session: str | None, save: bool) -> InsertResult:
+    def _insert(
+        self,
+        tokens: list[int],
+        blocks: list[int],
+        session: str | None,
+        save: bool,
+        extra: list[list[int]] | tuple[list[int], ...] = (),
+    ) -> InsertResult:
         n = len(tokens)
         nb = -(-n // self.block_size)
         if len(blocks) < nb:
@@ -280,9 +347,11 @@ class RadixCache:
         self._adopt_path(node, blocks)
         if pos < n:
             if child is None and pos % B:
-                self._extend_leaf(node, tokens[pos:], blocks[pos // B : nb])
+                ext = [e[pos // B : nb] for e in extra]
+                self._extend_leaf(node, tokens[pos:], blocks[pos // B : nb], ext)
             elif child is None:
-                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb], session)
+                ext = [e[pos // B : nb] for e in extra]
+                self._add_leaf(node, tokens[pos:], blocks[pos // B : nb], session, ext)
             elif pos + common < n:
                 at = common - common % B
                 parent = node
@@ -290,7 +359,10 @@ class RadixCache:
                     parent = self._split(child, at)
                     self._touch(parent, session)
                     self._adopt_path(parent, blocks)
-                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb], session)
+                ext = [e[(pos + at) // B : nb] for e in extra]
+                self._add_leaf(parent, tokens[pos + at :], blocks[(pos + at) // B : nb], session, ext)
+        if self.windows:
+            self._fill_and_slide(tokens, extra)
         cached = self._blocks_along(tokens, nb)
         redundant = [b for b, c in zip(blocks[:nb], cached, strict=False) if b != c]
         if save and self.store_keys is not None and n // B > num_cached // B:
@@ -311,11 +383,16 @@ class RadixCache:
 
     def inc_lock(self, node: RadixNode) -> None:
         """Protects `node` and its ancestors from eviction; pair with `dec_lock`."""
+        self._stale_tick += 1
         while node is not self.root:
             if node.lock_ref == 0:
                 self._detach(node)
-                self.evictable_size -= len(node.blocks)
-                self.protected_size += len(node.blocks)
+                for e in node.extra:  # the lockers hold the group blocks they read themselves
+                    for b in e:
+                        self._make_stale(node, b)
+                held = self._held(node) if node.extra else len(node.blocks)
+                self.evictable_size -= held
+                self.protected_size += held
             node.lock_ref += 1
             node = node.parent
 
@@ -325,24 +402,28 @@ class RadixCache:
                 raise ValueError(f"{node} is not locked")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_size += len(node.blocks)
-                self.protected_size -= len(node.blocks)
+                held = self._held(node) if node.extra else len(node.blocks)
+                self.evictable_size += held
+                self.protected_size -= held
                 self._attach(node)
             node = node.parent
 
     def evict(self, num_blocks: int) -> int:
         """Frees device blocks from unlocked leaves, trimming each from its tail, until
-        `num_blocks` are free or nothing is evictable. Returns how many blocks it freed. A block
+        `num_blocks` are free or nothing is evictable (with KV groups, a position's blocks go
+        together: up to groups - 1 more). Returns how many blocks it freed. A block
         that a live sequence still references loses only the cache's reference and is not
         counted. With a host tier the evicted blocks' KV moves to the host (when the node has no
         host copy yet) and the node stays in the tree."""
-        freed = 0
+        freed = self._release_stale(num_blocks) if self.stale else 0
         while freed < num_blocks and self._leaves:
             self.policy.arrange(self._leaves, self._refresh)
             leaf = self._leaves[0]
             self._detach(leaf)
             self.policy.evicted(leaf)
-            take = min(num_blocks - freed, 1 if self.policy.keys_blocks else len(leaf.blocks))
+            # a position's blocks of every group go together: up to (groups - 1) past num_blocks
+            want = -(-(num_blocks - freed) // (1 + len(leaf.extra)))
+            take = min(want, 1 if self.policy.keys_blocks else len(leaf.blocks))
             keep = len(leaf.blocks) - take
             if self.host is not None:
                 if keep:
@@ -357,6 +438,12 @@ class RadixCache:
                 del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
+            for e in leaf.extra:
+                for i in range(len(e) - 1, keep - 1, -1):
+                    block = e[i]
+                    freed += block != self.null_block and self.pool.refcount(block) == 1
+                    self._drop(leaf, e, i)
+                del e[keep:]
             if keep:
                 del leaf.blocks[keep:]
                 del leaf.tokens[keep * self.block_size :]
@@ -418,9 +505,9 @@ class RadixCache:
     # ----------------------------------------------------------- inspection
 
     def evictable_block(self, block: int) -> bool:
-        """Whether `block` is cached in an unlocked node (eviction may take it)."""
+        """Whether `block` is cached in an unlocked node, or stale (eviction may take it)."""
         node = self._node_of.get(block)
-        return node is not None and node.lock_ref == 0
+        return node is not None and (node.lock_ref == 0 or block in self.stale)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -439,7 +526,10 @@ class RadixCache:
         return out
 
     def referenced_blocks(self) -> list[int]:
-        return [b for node in self.nodes() for b in node.blocks]
+        null = self.null_block
+        out = [b for node in self.nodes() for b in node.blocks]
+        out += [b for node in self.nodes() for e in node.extra for b in e if b != null]
+        return out
 
     def referenced_host_blocks(self) -> list[int]:
         return [b for node in self.nodes() for b in node.host_blocks]
@@ -483,9 +573,18 @@ class RadixCache:
                 raise InvariantError(f"{node} is missing from its first-token index")
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
                 raise InvariantError(f"{node} lock")
-            for b in node.blocks:
-                if b in seen:
-                    raise InvariantError(f"block {b} is held by two nodes")
+            if len(node.extra) != len(self.windows):
+                raise InvariantError(f"{node} has {len(node.extra)} group tables, not {len(self.windows)}")
+            group_blocks = []
+            for e, w in zip(node.extra, self.windows, strict=True):
+                if len(e) != len(node.blocks):
+                    raise InvariantError(f"{node}: a group holds {len(e)} blocks, group 0 {len(node.blocks)}")
+                if w is None and self.null_block in e:
+                    raise InvariantError(f"{node} released a block of a group without a window")
+                group_blocks += [b for b in e if b != self.null_block]
+            for b in node.blocks + group_blocks:
+                if b in seen or b == self.null_block:
+                    raise InvariantError(f"block {b} is held by two nodes (or is the null block)")
                 if self._node_of.get(b) is not node:
                     raise InvariantError(f"block {b} is not mapped to {node}")
                 if self.pool.refcount(b) < 1:
@@ -497,16 +596,22 @@ class RadixCache:
                 seen_host.add(b)
             if node.blocks and len(node.tokens) % B:
                 partial[node.blocks[-1]] = len(node.tokens) % B
+                for e in node.extra:
+                    if e[-1] != self.null_block:
+                        partial[e[-1]] = len(node.tokens) % B
+            live = len(node.blocks) + sum(b not in self.stale for b in group_blocks)
             if node.lock_ref:
-                protected += len(node.blocks)
+                protected += live
             else:
-                evictable += len(node.blocks)
+                evictable += live
             if self._device_evictable(node):
                 leaves.add(node.id)
             if self.host is not None and self._host_evictable(node):
                 host_nodes.add(node.id)
         if len(self._node_of) != len(seen):
             raise InvariantError("the block map holds blocks no node has")
+        if any(b not in seen or self._node_of[b].blocks.count(b) for b in self.stale):
+            raise InvariantError("a stale block is no cached group block")
         for node in self.nodes():
             if sum(len(v) for v in node.by_first.values()) != len(node.children):
                 raise InvariantError(f"{node} index")
@@ -653,7 +758,14 @@ class RadixCache:
         if not siblings:
             del parent.by_first[node.tokens[0]]
 
-    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], session: str | None) -> None:
+    def _add_leaf(
+        self,
+        parent: RadixNode,
+        tokens: list[int],
+        blocks: list[int],
+        session: str | None,
+        extra: list[list[int]] = (),
+    ) -> None:
         key = block_key(tokens[: self.block_size])
         if key in parent.children:
             return  # a 64-bit hash collision: leave this run uncached rather than risk mixing KV
@@ -666,13 +778,20 @@ class RadixCache:
             self.pool.incref(b)
             self._node_of[b] = node
         self.evictable_size += len(blocks)
+        node.extra = [list(e) for e in extra]
+        for e in node.extra:
+            for b in e:
+                if b != self.null_block:
+                    self._hold(node, b)
         self._note_partial(node)
         self.policy.touched(node)
         self._attach(parent)
         self._attach(node)
         self._write_through(node)
 
-    def _extend_leaf(self, leaf: RadixNode, tokens: list[int], blocks: list[int]) -> None:
+    def _extend_leaf(
+        self, leaf: RadixNode, tokens: list[int], blocks: list[int], extra: list[list[int]] = ()
+    ) -> None:
         """`leaf` ends inside its last block; `blocks[0]` holds that block's tokens and more."""
         B = self.block_size
         key = block_key((leaf.tokens + tokens[:B])[:B])  # the first block of tokens may grow
@@ -693,6 +812,17 @@ class RadixCache:
             self.pool.incref(b)
             self._node_of[b] = leaf
         leaf.blocks.extend(blocks[1:])
+        for mine, theirs in zip(leaf.extra, extra, strict=True):
+            # its last block is theirs now, in every group (null where they released it)
+            if mine[-1] != theirs[0]:
+                self._drop(leaf, mine, len(mine) - 1)
+                if theirs[0] != self.null_block:
+                    self._hold(leaf, theirs[0])
+                    mine[-1] = theirs[0]
+            for b in theirs[1:]:
+                if b != self.null_block:
+                    self._hold(leaf, b)
+            mine.extend(theirs[1:])
         leaf.tokens.extend(tokens)
         self.policy.touched(leaf)  # its end moved (the walk touched it already)
         self.evictable_size += len(blocks) - 1
@@ -701,14 +831,175 @@ class RadixCache:
         self._attach(leaf)
         self._write_through(leaf)
 
+    # ------------------------------------------------------------ KV groups
+
+    def _held(self, node: RadixNode) -> int:
+        """Device blocks `node` holds in every group, but stale ones."""
+        null, stale = self.null_block, self.stale
+        return len(node.blocks) + sum(b != null and b not in stale for e in node.extra for b in e)
+
+    def _hold(self, node: RadixNode, block: int) -> None:
+        """`node` takes a reference on a group block it lists now."""
+        self.pool.incref(block)
+        self._node_of[block] = node
+        if node.lock_ref:
+            self.protected_size += 1
+        else:
+            self.evictable_size += 1
+
+    def _drop(self, node: RadixNode, blocks: list[int], i: int) -> None:
+        """`node` releases `blocks[i]` of one of its groups (when it holds one)."""
+        b = blocks[i]
+        if b == self.null_block:
+            return
+        blocks[i] = self.null_block
+        self.pool.decref(b)
+        del self._node_of[b]
+        self.partial_blocks.pop(b, None)
+        if b in self.stale:
+            del self.stale[b]
+        elif node.lock_ref:
+            self.protected_size -= 1
+        else:
+            self.evictable_size -= 1
+
+    def _make_stale(self, node: RadixNode, block: int) -> None:
+        if block != self.null_block and block not in self.stale:
+            self.stale[block] = self._stale_tick
+            if node.lock_ref:
+                self.protected_size -= 1
+            else:
+                self.evictable_size -= 1
+
+    def _make_live(self, node: RadixNode, block: int) -> None:
+        if block in self.stale:
+            del self.stale[block]
+            if node.lock_ref:
+                self.protected_size += 1
+            else:
+                self.evictable_size += 1
+
+    @property
+    def num_stale(self) -> int:
+        """Stale group blocks only the tree references: what releasing them all would free."""
+        return sum(self.pool.refcount(b) == 1 for b in self.stale)
+
+    def _release_stale(self, num_blocks: int) -> int:
+        """Releases stale group blocks until `num_blocks` are freed; returns those freed. First
+        the dead ones (`_stale_order`), then the least recently made stale or matched
+        (`touch_stale`: a request waiting for room keeps its window while others grow), and
+        among those by position along their path, the farthest back first, every group's block
+        of a position together: a match needs the window of every group, so freeing one group's
+        run of blocks while the others keep theirs loses the hits those blocks serve. One a
+        table also holds stays: releasing it would free nothing and lose the hit."""
+        freed = 0
+        for node, blocks, i in self._stale_order():
+            if freed >= num_blocks:
+                break
+            if self.pool.refcount(blocks[i]) == 1:
+                self._drop(node, blocks, i)
+                freed += 1
+        return freed
+
+    def _stale_order(self) -> list[tuple[RadixNode, list[int], int]]:
+        """The stale blocks as (node, its group's blocks, index), in release order: first those
+        no match can read (another group with a window at least as long released that position,
+        so every window that covers it lacks a block), then by last use, then by position."""
+        null, windows, B = self.null_block, self.windows, self.block_size
+        order = []
+        for block in self.stale:
+            node = self._node_of[block]
+            g = next(j for j, e in enumerate(node.extra) if block in e)
+            i = node.extra[g].index(block)
+            w = windows[g]
+            dead = any(
+                e[i] == null for h, e in enumerate(node.extra)
+                if h != g and windows[h] is not None and w is not None and windows[h] >= w
+            )
+            order.append((not dead, self.stale[block], node.start // B + i, node, node.extra[g], i))
+        order.sort(key=lambda t: t[:3])
+        return [(node, blocks, i) for *_, node, blocks, i in order]
+
+    def peek_groups(self, tokens: list[int]) -> tuple[int, tuple[list[int], ...]]:
+        """How many leading tokens of `tokens` are cached, and KV groups 1..'s blocks covering
+        them (null where released), as `match_prefix` would give; changes nothing."""
+        node, pos, child, common = self._walk(tokens, touch=False)
+        extra = self._path_extra(node, None)
+        if child is not None and common:
+            for group, blocks in zip(extra, child.extra, strict=True):
+                group.extend(blocks[: -(-common // self.block_size)])
+        return pos + common, extra
+
+    def touch_stale(self, blocks: Iterable[int]) -> None:
+        """A match read `blocks` (a sliding group's window): the stale ones among them are the
+        most recently used, released after every other stale block."""
+        self._stale_tick += 1
+        for b in blocks:
+            if b in self.stale:
+                self.stale[b] = self._stale_tick
+
+    def _fill_and_slide(self, tokens: list[int], extra: list[list[int]] | tuple[list[int], ...]) -> None:
+        """After inserting `tokens` with group blocks `extra`: along the path, where a sliding
+        group's window of the end needs a block the tree released, the tree takes `extra`'s; then
+        it releases, from the end up while no other branch leaves the path, the blocks wholly
+        before every window of the end. A sliding group's block that a match could still read
+        at the end of some other branch is kept: such a match stays a hit for every group.
+        (Group blocks are no part of any eviction key, so nodes stay in their sets.)"""
+        B, null, n = self.block_size, self.null_block, len(tokens)
+        self._stale_tick += 1
+        keep = [None if w is None else sliding_keep_from(n, w, B) for w in self.windows]
+        sliding = [k for k in keep if k is not None]
+        if not sliding:
+            return
+        node, _, child, _ = self._walk(tokens, touch=False)
+        path = []
+        x = child if child is not None else node
+        while x is not self.root:
+            path.append(x)
+            x = x.parent
+        lowest = min(sliding) * B
+        for x in path:  # fill: the windows' blocks, from the end back
+            if x.end <= lowest:
+                break
+            base = x.start // B
+            for mine, theirs, k in zip(x.extra, extra, keep, strict=True):
+                if k is None:
+                    continue
+                # their blocks hold tokens up to n: not the rest of a block past it
+                whole = min(len(mine), (n - x.start) // B + (x.end <= n))
+                for i in range(max(k - base, 0), whole):
+                    if mine[i] == null and theirs[base + i] != null:
+                        self._hold(x, theirs[base + i])
+                        mine[i] = theirs[base + i]
+                    else:
+                        self._make_live(x, mine[i])
+            self._note_partial(x)
+        for depth, x in enumerate(path):  # slide: up the path while it has no other branch
+            if depth and len(x.children) != 1:
+                break
+            base = x.start // B
+            fresh = False
+            for mine, k in zip(x.extra, keep, strict=True):
+                if k is not None:
+                    for i in range(min(k - base, len(mine))):
+                        fresh |= mine[i] != null and mine[i] not in self.stale
+                        self._make_stale(x, mine[i])
+            if depth and not fresh and all(b == null or b in self.stale for e in x.extra for b in e):
+                break  # stale whole already: the path above was made stale by earlier inserts
+
     def _note_partial(self, node: RadixNode) -> None:
         filled = len(node.tokens) % self.block_size
         if filled and node.blocks:
             self.partial_blocks[node.blocks[-1]] = filled
+            for e in node.extra:
+                if e[-1] != self.null_block:
+                    self.partial_blocks[e[-1]] = filled
 
     def _forget_partial(self, node: RadixNode) -> None:
         if node.blocks:
             self.partial_blocks.pop(node.blocks[-1], None)
+            for e in node.extra:
+                self.partial_blocks.pop(e[-1], None)
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cuts `node`'s edge after `at` tokens (a block multiple) and returns the new upper
@@ -720,6 +1011,12 @@ class RadixCache:
             next(self._ids), parent, node.start, node.tokens[:at], node.blocks[:nb], node.last_access
         )
         mid.host_blocks = node.host_blocks[:nb]
+        mid.extra = [e[:nb] for e in node.extra]
+        node.extra = [e[nb:] for e in node.extra]
+        for e in mid.extra:
+            for b in e:
+                if b != self.null_block:
+                    self._node_of[b] = mid
         mid.lock_ref, mid.hits = node.lock_ref, node.hits
         mid.priority, mid.session = node.priority, node.session
         for b in mid.blocks:

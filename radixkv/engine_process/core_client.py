@@ -118,7 +118,8 @@ class CoreClient:
         self.max_model_len = ready.max_model_len
         self.inputs = InputProcessor(
             self.tokenizer, ready.vocab_size, ready.max_model_len, config.max_num_seqs,
-            ready.num_blocks, ready.block_size,
+            ready.num_blocks, ready.block_size, windows=tuple(ready.windows),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.reader = threading.Thread(target=self._read, name="radixkv-core-reader", daemon=True)
         self.reader.start()

@@ -155,7 +155,7 @@ class CoreProcess:
         core.on_update = self._on_update
         self.send(
             Ready(core.vocab_size, core.max_model_len, list(core.eos_token_ids), core.pool.num_blocks,
-                  core.config.block_size, os.getpid())
+                  core.config.block_size, os.getpid(), list(core.kv.windows))
         )
         try:
             self._loop()

@@ -99,6 +99,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     block_size: int
     pid: int
+    windows: list[int | None]  # of KV groups 1.. (`KVCacheManager.windows`)
 
 
 class Fatal(msgspec.Struct, tag=True, array_like=True):

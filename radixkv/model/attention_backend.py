@@ -33,7 +33,9 @@ class PagedBatch:
     its plan for this batch, made once per step (`plan_paged_attention`) rather than per layer.
     `load`, when set, holds the step's host-tier loads: each layer waits for its own part of them
     before it touches its cache (`radixkv.model.layered_load`). `windows[layer]` is that layer's
-    sliding window (None: full causal attention), `LoadedModel.layer_windows`.
+    sliding window (None: full causal attention), `LoadedModel.layer_windows`. With KV groups
+    (`radixkv.cache.kv_groups`), layer l reads and writes through `group_tables[group_of[l]]`
+    and `group_slots[group_of[l]]` instead (group 0's are `block_table` and `slot_mapping`).
     """
 
     k_caches: list[torch.Tensor]
@@ -45,6 +47,9 @@ class PagedBatch:
     launches: AttentionLaunches
     windows: tuple[int | None, ...]
     load: LayeredLoad | None = None
+    group_of: tuple[int, ...] | None = None
+    group_tables: tuple[torch.Tensor, ...] = ()
+    group_slots: tuple[torch.Tensor, ...] = ()
 
 
 def paged_attention_forward(
@@ -74,18 +79,22 @@ def paged_attention_forward(
     if paged_batch.load is not None:  # this layer's loaded blocks are in before we store or read
         paged_batch.load.wait(layer)
     k_cache, v_cache = paged_batch.k_caches[layer], paged_batch.v_caches[layer]
+    block_table, slot_mapping = paged_batch.block_table, paged_batch.slot_mapping
+    if paged_batch.group_of is not None:
+        group = paged_batch.group_of[layer]
+        block_table, slot_mapping = paged_batch.group_tables[group], paged_batch.group_slots[group]
     store_kv(
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         k_cache,
         v_cache,
-        paged_batch.slot_mapping,
+        slot_mapping,
     )
     out = paged_attention(
         query[0].transpose(0, 1),
         k_cache,
         v_cache,
-        paged_batch.block_table,
+        block_table,
         paged_batch.seq_lens,
         paged_batch.query_start_loc,
         scale=scaling,

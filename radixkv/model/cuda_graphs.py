@@ -11,7 +11,8 @@ width fixes how many ranges its decode splits each sequence's keys into. One wid
 `max_model_len` allows would give every step the most splits, which short contexts pay for in
 programs with nothing to read and a combining pass. So each bucket is captured at the widths where
 the plan changes (`context_widths`, `graph_routes`), and a step replays the narrowest graph that
-covers its block table.
+covers its block table. With KV groups (`radixkv.cache.kv_groups`) every group has its own slot
+and block-table buffers beside group 0's, filled and padded alike.
 
 Guarded: graphs only on CUDA, only for steps where every sequence has one new token and gets
 logits, and a capture that fails (a model that syncs during its forward) warns once and leaves
@@ -26,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from radixkv.cache.kv_groups import KVGroups
 from radixkv.kernels.launch_plan import GPU_MAX_SPLITS, GPU_MIN_KEYS_PER_SPLIT, plan_attention_gpu
 from radixkv.model.attention_backend import PagedBatch
 from radixkv.model.loader import LoadedModel
@@ -38,6 +40,7 @@ class GraphedRunner(Protocol):
     attention inputs it plans for a step."""
 
     loaded: LoadedModel
+    groups: KVGroups
     model: torch.nn.Module
     device: torch.device
     block_size: int
@@ -105,6 +108,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_num_seqs + 1, **ints)  # one token per sequence, always
         self.logit_rows = torch.arange(max_num_seqs, **ints)
         self.block_table = torch.zeros((max_num_seqs, width), **ints)
+        others = runner.groups.num_groups - 1  # KV groups 1..: their own slots and tables
+        self.group_slots = torch.full((others, max_num_seqs), -1, **ints)
+        self.group_tables = torch.zeros((others, max_num_seqs, width), **ints)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: object | None = None
         self.failed = False
@@ -131,6 +137,10 @@ class DecodeGraphs:
         self.seq_lens[:num_seqs].copy_(step.seq_lens)
         self.seq_lens[num_seqs:bucket].fill_(1)
         self.block_table[:num_seqs, :width].copy_(step.block_table)
+        for g, (slots, table) in enumerate(zip(step.group_slots, step.group_tables, strict=True)):
+            self.group_slots[g, :num_seqs].copy_(slots)
+            self.group_slots[g, num_seqs:bucket].fill_(-1)
+            self.group_tables[g, :num_seqs, :width].copy_(table)
         graph, logits = self._graphs[self.routes[(bucket, covering)]]
         graph.replay()
         return logits[:num_seqs].clone()  # the graph overwrites its output at the next replay
@@ -152,6 +162,8 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             block_table=self.block_table[:size, :width],
+            group_slots=tuple(slots[:size] for slots in self.group_slots),
+            group_tables=tuple(table[:size, :width] for table in self.group_tables),
         )
         paged: PagedBatch = self.runner.paged_batch(batch)
         output = self.runner.model(
@@ -172,6 +184,8 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.block_table.zero_()
+        self.group_slots.fill_(-1)
+        self.group_tables.zero_()
         for size, width in sorted(set(self.routes.values()), reverse=True):
             if not self._capture(size, width):
                 return

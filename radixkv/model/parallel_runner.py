@@ -156,7 +156,9 @@ class ParallelRunner:
         local = self._runner()
         # Plain chunks for the other ranks: a subclass (the scheduler's ScheduledSeq) carries its
         # request, which stays here.
-        plain = [SequenceChunk(c.token_ids, c.start_pos, c.block_table, c.logits) for c in chunks]
+        plain = [
+            SequenceChunk(c.token_ids, c.start_pos, c.block_table, c.logits, c.group_tables) for c in chunks
+        ]
         self._send(pickle.dumps(Step(self._transfers, plain)))
         self._transfers = []
         try:

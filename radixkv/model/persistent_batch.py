@@ -30,7 +30,9 @@ _ALIGN = 4
 
 
 class HostBatch(NamedTuple):
-    """One step's metadata as device tensors (views of one transfer), int32 throughout."""
+    """One step's metadata as device tensors (views of one transfer), int32 throughout.
+    With KV groups (`radixkv.cache.kv_groups`), `group_slots[g - 1]` and `group_tables[g - 1]`
+    are group g's slot mapping and block table, beside group 0's own."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
@@ -39,23 +41,28 @@ class HostBatch(NamedTuple):
     seq_lens: torch.Tensor  # [S]
     query_start_loc: torch.Tensor  # [S + 1]
     block_table: torch.Tensor  # [S, W], W = the step's longest table
+    group_slots: tuple[torch.Tensor, ...] = ()  # [T] each
+    group_tables: tuple[torch.Tensor, ...] = ()  # [S, W] each
 
 
 class PersistentBatch:
     """Host-side step inputs for one runner: validates chunks and builds a `HostBatch`.
 
     `num_blocks` bounds block ids, `max_model_len` positions; tables wider than
-    `max_model_len / block_size` blocks widen the buffer.
+    `max_model_len / block_size` blocks widen the buffer. `num_groups` KV groups each get their
+    table rows: group g >= 1 reads `chunk.group_tables[g - 1]`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
         self._pin = device.type == "cuda"
-        self._table = np.zeros((0, -(-max_model_len // block_size)), dtype=np.int32)
-        self._shadows: list[list[int]] = []
+        width = -(-max_model_len // block_size)
+        self._rows = [TableRows(num_blocks, width) for _ in range(num_groups)]
 
     def prepare(self, chunks: list[SequenceChunk]) -> HostBatch:
         """The step's inputs for `chunks`. Raises ValueError for an empty chunk, a block table too
@@ -75,7 +82,10 @@ class PersistentBatch:
         num_tokens = int(cu[-1])
         logit_rows = self._logit_rows(chunks, cu)
         width = int(widths.max())
-        table = self._update_table(chunks, width)
+        table = self._rows[0].update([c.block_table for c in chunks], width)
+        groups = [
+            rows.update([c.group_tables[g] for c in chunks], width) for g, rows in enumerate(self._rows[1:])
+        ]
 
         if num_tokens == num_seqs:  # every chunk one token: a decode step
             owner, positions = np.arange(num_seqs), starts
@@ -87,6 +97,7 @@ class PersistentBatch:
 
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, len(logit_rows))
         sizes += (num_seqs * width,)
+        sizes += (num_tokens, num_seqs * width) * len(groups)
         # Every part starts on a 16-byte boundary. Triton specializes a kernel on whether each
         # pointer argument is 16-byte aligned, so parts at offsets that vary with the batch would
         # compile a variant per combination, each stalling its step for about a second on a GPU.
@@ -104,6 +115,9 @@ class PersistentBatch:
         part[4][:] = cu
         part[5][:] = logit_rows
         part[6].reshape(num_seqs, width)[:] = table[:num_seqs, :width]
+        for g, group_table in enumerate(groups):
+            part[7 + 2 * g][:] = group_table[owner, positions // bs].astype(np.int64) * bs + positions % bs
+            part[8 + 2 * g].reshape(num_seqs, width)[:] = group_table[:num_seqs, :width]
         device = host.to(self.device, non_blocking=True)
         views = [device[a : a + n] for a, n in zip(starts[:-1], sizes, strict=True)]
         return HostBatch(
@@ -114,12 +128,18 @@ class PersistentBatch:
             query_start_loc=views[4],
             logit_rows=views[5],
             block_table=views[6].view(num_seqs, width),
+            group_slots=tuple(views[7::2]),
+            group_tables=tuple(v.view(num_seqs, width) for v in views[8::2]),
         )
 
     def _check(
         self, chunks: list[SequenceChunk], q_lens: np.ndarray, ends: np.ndarray, widths: np.ndarray
     ) -> None:
         bs = self.block_size
+        groups = len(self._rows) - 1
+        for i, c in enumerate(chunks if groups else ()):
+            if len(c.group_tables) != groups or any(len(t) != len(c.block_table) for t in c.group_tables):
+                raise ValueError(f"chunk {i} needs {groups} group tables as long as its block_table")
         for i in np.flatnonzero((q_lens == 0) | (widths * bs < ends) | (ends > self.max_model_len)).tolist():
             if q_lens[i] == 0:
                 raise ValueError(f"chunk {i} has no new tokens")
@@ -143,17 +163,26 @@ class PersistentBatch:
                 raise ValueError(f"chunk {i}: logits must be 'last', 'all' or 'none', got {mode!r}")
         return np.asarray(rows, dtype=np.int64)
 
-    def _update_table(self, chunks: list[SequenceChunk], width: int) -> np.ndarray:
-        """Rows 0..len(chunks)-1 of the host block table brought up to date; returns the buffer."""
+
+class TableRows:
+    """One KV group's host block-table rows, row i holding the table of the step's chunk i, and
+    a shadow copy of each row's list (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, width: int) -> None:
+        self.num_blocks = num_blocks
+        self._table = np.zeros((0, width), dtype=np.int32)
+        self._shadows: list[list[int]] = []
+
+    def update(self, tables: list[list[int]], width: int) -> np.ndarray:
+        """Rows 0..len(tables)-1 brought up to date with `tables`; returns the buffer."""
         rows, cols = self._table.shape
-        if len(chunks) > rows or width > cols:
-            grown = np.zeros((max(len(chunks), 2 * rows), max(width, cols)), dtype=np.int32)
+        if len(tables) > rows or width > cols:
+            grown = np.zeros((max(len(tables), 2 * rows), max(width, cols)), dtype=np.int32)
             grown[:rows, :cols] = self._table
             self._table = grown
             self._shadows += [[] for _ in range(grown.shape[0] - rows)]
         table, shadows = self._table, self._shadows
-        for i, chunk in enumerate(chunks):
-            blocks = chunk.block_table
+        for i, blocks in enumerate(tables):
             shadow = shadows[i]
             if shadow == blocks:
                 continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from radixkv import kernels
+from radixkv.cache.kv_groups import KVGroups, kv_groups
 from radixkv.kernels import plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
@@ -26,7 +27,8 @@ from radixkv.scheduler.chunk import SequenceChunk
 def kv_block_bytes(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Bytes of one block: K and V, of every layer, for `block_size` tokens."""
+    """Bytes of one block: K and V, of every layer, for `block_size` tokens. With KV groups a
+    block holds one group's layers: pass `KVGroups.layers_per_group`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -37,12 +39,17 @@ class ModelRunner:
     The cache is one zeroed tensor `[2, num_layers, num_blocks, block_size, Hkv, D]` in the model's
     dtype: `k_caches[l]` and `v_caches[l]` are its per-layer views in the kernels' layout, and the
     flattened `[num_layers * num_blocks, ...]` view lets one `copy_blocks` launch copy a block in
-    every layer. The runner allocates no blocks: callers give block tables that already cover the
-    new tokens. A step's inputs come from a `PersistentBatch` (one host-to-device copy) and its
-    attention launches are planned once and shared by all layers. Building a runner binds the
-    model's attention to the paged cache (`set_attn_implementation`); a plain transformers forward
-    needs a copy made before. On CUDA, with `cuda_graph_max_seqs` > 0, decode steps of up to that
-    many sequences replay captured CUDA graphs (`radixkv.model.cuda_graphs`).
+    every layer. With KV groups (`groups`, `radixkv.cache.kv_groups`: layers of different
+    windows; None is one group of every layer) it is `[2, layers_per_group, num_blocks, ...]`: a
+    block holds one group's layers, layer l in slot `slot[l]` of the blocks its group's table
+    lists, and each group has its own block table and slot mapping in the step (no host tier
+    then: its transfers move every layer of a block). The runner allocates
+    no blocks: callers give block tables that already cover the new tokens. A step's inputs
+    come from a `PersistentBatch` (one host-to-device copy) and its attention launches are
+    planned once and shared by all layers. Building a runner binds the model's attention to the
+    paged cache (`set_attn_implementation`); a plain transformers forward needs a copy made
+    before. On CUDA, with `cuda_graph_max_seqs` > 0, decode steps of up to that many sequences
+    replay captured CUDA graphs (`radixkv.model.cuda_graphs`).
 
     Host-tier loads are staged when `load` is called and written into the cache during the next
     forward, layer by layer, each layer before its attention (`radixkv.model.layered_load`; on
@@ -60,6 +67,7 @@ class ModelRunner:
         block_size: int,
         num_host_blocks: int = 0,
         cuda_graph_max_seqs: int = 0,
+        groups: KVGroups | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
@@ -73,12 +81,19 @@ class ModelRunner:
         self.num_kv_heads = loaded.num_kv_heads
         self.head_dim = loaded.head_dim
         self.windows = loaded.layer_windows
-        shape = (2, loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
+        self.groups = groups if groups is not None else kv_groups(self.windows, split=False)
+        if self.groups.num_groups > 1 and num_host_blocks:
+            raise ValueError("a host KV tier moves every layer of a block: it needs one KV group")
+        slots = self.groups.layers_per_group
+        shape = (2, slots, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
-        self.k_caches = list(self.kv_cache[0].unbind(0))
-        self.v_caches = list(self.kv_cache[1].unbind(0))
+        k_slots, v_slots = self.kv_cache[0].unbind(0), self.kv_cache[1].unbind(0)
+        self.k_caches = [k_slots[j] for j in self.groups.slot]
+        self.v_caches = [v_slots[j] for j in self.groups.slot]
         self.closed = False
-        self.batch = PersistentBatch(num_blocks, block_size, loaded.max_model_len, self.device)
+        self.batch = PersistentBatch(
+            num_blocks, block_size, loaded.max_model_len, self.device, self.groups.num_groups
+        )
         self.host = HostKVCache(num_host_blocks, self.kv_cache) if num_host_blocks else None
         self.model.set_attn_implementation(PAGED_ATTENTION)
         use_graphs = cuda_graph_max_seqs > 0 and self.device.type == "cuda"
@@ -101,11 +116,17 @@ class ModelRunner:
         capture) still compile their plan on first use. The prefill writes into block 0
         and the copy into block 1, both free at start: a block's slots are always stored before
         they are read."""
-        self.forward([SequenceChunk([0] * min(self.block_size, 2), 0, [0])])
+        first = SequenceChunk([0] * min(self.block_size, 2), 0, [0], group_tables=self.scratch_groups([0]))
+        self.forward([first])
         if self.num_blocks > 1:
             self.copy_blocks([0], [1])
         if self.graphs is not None:
             self.graphs.capture_all()
+
+    def scratch_groups(self, table: list[int]) -> list[list[int]]:
+        """Group tables for a forward whose KV is never read back: every group writes `table`'s
+        blocks (over each other's layers)."""
+        return [table] * (self.groups.num_groups - 1)
 
     def close(self) -> None:
         """Frees the KV cache, device and host (pinned) alike, the step buffers and the CUDA
@@ -181,6 +202,9 @@ class ModelRunner:
             launches=launches,
             windows=self.windows,
             load=load,
+            group_of=self.groups.group if step.group_tables else None,
+            group_tables=(step.block_table, *step.group_tables) if step.group_tables else (),
+            group_slots=(step.slot_mapping, *step.group_slots) if step.group_tables else (),
         )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -232,7 +232,9 @@ def _chunks(engine: Any, lengths: list[int], start_pos: int) -> list[Any]:
     for length in lengths:
         blocks = -(-length // size)
         ids = torch.randint(0, 256, (length - start_pos,), generator=generator).tolist()
-        chunks.append(SequenceChunk(ids, start_pos, list(range(first, first + blocks))))
+        table = list(range(first, first + blocks))
+        scratch = [table] * len(engine.kv.windows)  # KV groups: scratch tables (never read back)
+        chunks.append(SequenceChunk(ids, start_pos, table, group_tables=scratch))
         first += blocks
     return chunks
 
