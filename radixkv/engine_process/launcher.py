@@ -127,7 +127,8 @@ class Launcher:
                 raise RuntimeError("the engine core launcher is gone") from e
             try:
                 pid = self._started.get(timeout=START_TIMEOUT_S)
-            except queue.Empty:
+            except queue.Empty:  # stuck: its late answer must not become the next core's
+                self.process.kill()
                 pid = None
         if pid is None:
             raise RuntimeError("the engine core launcher did not start a core")
@@ -147,7 +148,8 @@ class Launcher:
             return self._exits.pop(pid, UNKNOWN_EXIT)
 
     def _read(self) -> None:
-        while len(record := self._reports.read(REPORT.size)) == REPORT.size:
+        fd = self._reports.fileno()
+        while len(record := _read_exactly(fd, REPORT.size)) == REPORT.size:
             kind, pid, code = REPORT.unpack(record)
             if kind == b"S":
                 self._started.put(pid)
