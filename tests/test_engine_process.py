@@ -214,6 +214,31 @@ def test_each_core_is_forked_in_the_callers_directory_and_environment(model_fold
     assert gone(seen[0]["pid"]) and gone(seen[1]["pid"])
 
 
+def test_a_core_outlives_its_killed_launcher_and_the_next_core_gets_a_new_one(model_folders):
+    """The launcher is only the cores' starter: killed, its core keeps serving and shuts down at
+    once (nobody reports its exit: its pidfd tells), and the next engine starts a new launcher."""
+    from radixkv.engine_process import launcher
+
+    config = EngineConfig(model=str(model_folders["llama"]), **KW)
+
+    async def main() -> None:
+        first = AsyncEngine(config)
+        old = launcher.start()
+        old.process.kill()
+        old.process.wait(timeout=30)
+        assert len((await first.generate([1, 2, 3], GREEDY)).token_ids) == 6
+        await asyncio.wait_for(first.shutdown(), 10)  # not the 60 s of a wait for a report
+        assert first.core.process.poll() is not None
+        second = AsyncEngine(config)
+        try:
+            assert launcher.start() is not old
+            assert len((await second.generate([1, 2, 3], GREEDY)).token_ids) == 6
+        finally:
+            await second.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_killed_core_fails_every_open_request_at_once(model_folders):
     async def main() -> None:
         engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))

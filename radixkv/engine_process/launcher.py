@@ -36,11 +36,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 REPORT = struct.Struct("<cqq")  # kind, pid, exit code
 LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 60.0  # a fork and its answer; the core's own start is CoreClient's to wait for
 UNKNOWN_EXIT = 1  # a core whose launcher is gone has no status to report
+LOOK_S = 0.2  # how often a wait looks at a core's sentinel once its launcher is gone
 PRELOAD = ("radixkv.engine_core", "radixkv.engine_process.core_process")  # what every core imports
 
 
@@ -71,10 +73,11 @@ class CoreHandle:
     def kill(self) -> None:
         if self.poll() is not None:
             return  # never signal a pid that may have been handed to another process
-        if self.sentinel is not None:
-            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
-        else:
-            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # reaped, its report not yet read
+            if self.sentinel is not None:
+                signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Closes the sentinel (the handle's only resource)."""
@@ -129,6 +132,9 @@ class Launcher:
                 pid = self._started.get(timeout=START_TIMEOUT_S)
             except queue.Empty:  # stuck: its late answer must not become the next core's
                 self.process.kill()
+                self.process.wait()
+                with self._changed:
+                    self._gone = True
                 pid = None
         if pid is None:
             raise RuntimeError("the engine core launcher did not start a core")
@@ -141,17 +147,26 @@ class Launcher:
             return UNKNOWN_EXIT if self._gone and exited else None
 
     def wait_exit(self, pid: int, timeout: float | None, exited) -> int:
+        """Waits for the launcher's report of `pid`'s exit, or, once the launcher is gone, for
+        `exited()` (looked at every `LOOK_S`: nothing reports it then)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            done = self._changed.wait_for(lambda: pid in self._exits or (self._gone and exited()), timeout)
-            if not done:
-                raise subprocess.TimeoutExpired(f"engine core {pid}", timeout)
-            return self._exits.pop(pid, UNKNOWN_EXIT)
+            while pid not in self._exits:
+                if self._gone and exited():
+                    return UNKNOWN_EXIT
+                left = LOOK_S if deadline is None else min(LOOK_S, deadline - time.monotonic())
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(f"engine core {pid}", timeout)
+                self._changed.wait(left)
+            return self._exits.pop(pid)
 
     def _read(self) -> None:
         fd = self._reports.fileno()
         while len(record := _read_exactly(fd, REPORT.size)) == REPORT.size:
             kind, pid, code = REPORT.unpack(record)
             if kind == b"S":
+                with self._changed:  # an earlier process of this pid is reaped: forget its code
+                    self._exits.pop(pid, None)
                 self._started.put(pid)
             else:
                 with self._changed:
