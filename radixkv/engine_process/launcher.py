@@ -25,7 +25,6 @@ cores' prints on stdout go where the front end's go.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import os
 import pickle
@@ -97,16 +96,18 @@ class Launcher:
     """The front end's side of one launcher process (see the module docstring)."""
 
     def __init__(self) -> None:
-        reports, self._reports_w = os.pipe()
+        self._reports, reports_w = os.pipe()
         self.owner = os.getpid()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(self._reports_w)],
-                stdin=subprocess.PIPE, pass_fds=(self._reports_w,),
+                [sys.executable, "-m", __name__, str(reports_w)],
+                stdin=subprocess.PIPE, pass_fds=(reports_w,),
             )
+        except BaseException:
+            os.close(self._reports)
+            raise
         finally:
-            os.close(self._reports_w)
-        self._reports = os.fdopen(reports, "rb", buffering=0)
+            os.close(reports_w)
         self._send_lock = threading.Lock()
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition()
@@ -161,8 +162,7 @@ class Launcher:
             return self._exits.pop(pid)
 
     def _read(self) -> None:
-        fd = self._reports.fileno()
-        while len(record := _read_exactly(fd, REPORT.size)) == REPORT.size:
+        while len(record := _read_exactly(self._reports, REPORT.size)) == REPORT.size:
             kind, pid, code = REPORT.unpack(record)
             if kind == b"S":
                 with self._changed:  # an earlier process of this pid is reaped: forget its code
@@ -176,7 +176,7 @@ class Launcher:
             self._gone = True
             self._changed.notify_all()
         self._started.put(None)
-        self._reports.close()
+        os.close(self._reports)
 
 
 _launcher: Launcher | None = None
@@ -269,16 +269,9 @@ def main(reports: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
     signal.set_wakeup_fd(wake_w)
     while True:
-        try:
-            ready = select.select([0, wake_r], [], [])[0]
-        except InterruptedError:
-            continue
+        ready = select.select([0, wake_r], [], [])[0]  # a signal's EINTR is retried (PEP 475)
         if wake_r in ready:
-            try:
-                os.read(wake_r, 4096)
-            except OSError as e:
-                if e.errno != errno.EAGAIN:
-                    raise
+            os.read(wake_r, 4096)  # readable: does not block
             _reap(reports)
         if 0 not in ready:
             continue
