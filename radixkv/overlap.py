@@ -9,14 +9,24 @@ One overlapped `step()` (in the order it runs, under the step lock):
    nor does a structured sequence (its next token mask needs step N's token consumed by its
    grammar), so they skip step N+1.
 3. Step N+1's inputs are built and sent (`ModelRunner.prepare`).
-4. Step N's logits are awaited, the placeholders taken off, and its tokens sampled
+4. When the worker can resolve step N+1's placeholders itself (below), step N+1 is submitted now,
+   queued behind step N.
+5. Step N's logits are awaited, the placeholders taken off, and its tokens sampled
    (`Scheduler.sample_step`).
-5. Step N+1's placeholders become those tokens in its inputs, its block copies run, and it is
-   submitted to the worker.
-6. Step N's tokens are appended, stops found, finished sequences cached and released
+6. Otherwise step N+1's placeholders become those tokens in its inputs, its block copies run, and
+   it is submitted to the worker.
+7. Step N's tokens are appended, stops found, finished sequences cached and released
    (`Scheduler.commit`), while step N+1 runs.
 
-So the device waits only for steps 4 and 5; the rest of a step's host work hides behind it.
+Resolved on the worker, as SGLang's overlap scheduler resolves its future token ids on the device:
+when every placeholder of step N+1 belongs to a greedy sequence whose logits nothing processes, and
+step N+1 moves no blocks, its token is the argmax of its row of step N's logits, which the worker
+holds as soon as step N's forward ends. The worker's job for step N+1 then starts by writing those
+argmaxes into its inputs, right after step N's forward, with no wait for the host: the device goes
+from one step to the next without the two thread hand-overs (the host waking at step N's result,
+the worker waking at step N+1's submission) that sit between them otherwise. The host's sampling
+of step N takes the same argmax of the same logits (`sample`'s greedy rows), so both agree. Any
+other step (sampled rows, logits processors, block copies, loads) takes the host's path of step 6.
 
 Correctness, as the engine without overlap:
 - A sequence that stops on EOS or a stop string at step N was already scheduled in step N+1: its
@@ -35,13 +45,16 @@ Correctness, as the engine without overlap:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from radixkv.model.step_worker import StepWorker
+from radixkv.sampling.sampler import greedy
 from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
 from radixkv.scheduler.scheduler import SampledStep, ScheduledSeq
 
@@ -57,11 +70,23 @@ class InFlight(NamedTuple):
     logits: Future
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval an overlapped engine sets (Python's default is 5 ms,
+`sys.setswitchinterval`). The host and the step worker hand the interpreter lock to each other
+at every step: when a forward ends while the host runs Python, the worker waits for the lock
+until the host blocks or the interval runs out. In `radixkv bench engine --case
+overlap_decode_256` at 5 ms, one step gap in ten took 0.7 to 1.6 ms instead of 0.2, raising the
+period to 1.15-1.35 x the device's time; at 0.5 ms the gaps stay under 0.35 ms. It is
+process-wide: an engine only lowers it, never raises it back."""
+
+
 class OverlapStepper:
     """The overlapped `EngineCore.step` (see the module docstring). `in_flight` is the step the
     worker runs, if any; `settle` waits for it and drops its tokens (the engine is closing)."""
 
     def __init__(self, core: Any) -> None:  # the EngineCore that owns it (which imports this module)
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.core = core
         self.worker = StepWorker(core.runner.device)
         self.in_flight: InFlight | None = None
@@ -90,10 +115,19 @@ class OverlapStepper:
                 except Exception as exc:
                     ended += core._fail(core._step_requests(batch), exc)
                     batch = []
+                early = bool(batch) and flight is not None and self._resolvable(inputs, holes)
+                if early:
+                    try:
+                        self._submit_resolving(batch, inputs, holes, flight)
+                    except Exception as exc:
+                        ended += core._fail(core._step_requests(batch), exc)
+                        batch, early = [], False
                 if flight is not None:
                     sampled, lost = self._sample(flight, speculated)
                     ended += lost
-                if batch:
+                if early:
+                    _fill_holes(holes, sampled)
+                elif batch:
                     try:
                         self._submit(batch, inputs, holes, sampled)
                     except Exception as exc:
@@ -154,6 +188,39 @@ class OverlapStepper:
             return None, self.core._fail_each([(r, exc) for r in _requests(flight.batch)])
         return self.core.scheduler.sample_step(flight.batch, logits), []
 
+    def _resolvable(self, inputs: Any, holes: list[tuple[int, ScheduledSeq]]) -> bool:
+        """Whether the worker can fill step N+1's placeholders from step N's logits (see the
+        module docstring): built inputs, no block transfer before the forward, and every
+        placeholder a greedy sequence's whose logits nothing processes."""
+        if inputs is None or self.core.kv.transfers.pending:
+            return False
+        params = [item.request.params for _, item in holes]
+        return all(p.greedy and not p.processes_logits for p in params)
+
+    def _submit_resolving(
+        self, batch: list[ScheduledSeq], inputs: Any, holes: list[tuple[int, ScheduledSeq]], flight: InFlight
+    ) -> None:
+        """Hands step N+1's forward to the worker before step N's tokens are sampled: the job
+        first writes the argmax of each placeholder's row of step N's logits into its inputs."""
+        core = self.core
+        rows = _logit_rows(flight.batch)
+        input_ids = inputs.input_ids
+        where = np.array([index for index, _ in holes], dtype=np.int64)
+        source: Any = np.array([rows[id(item.seq)] for _, item in holes], dtype=np.int64)
+        if len(source) == len(rows) == len(flight.batch) and (source == np.arange(len(source))).all():
+            source = slice(None)  # every row of step N, in order: the common all-decode step
+        device = input_ids.device
+        if device.type != "cpu":
+            where = torch.from_numpy(where).to(device, non_blocking=True)
+            if not isinstance(source, slice):
+                source = torch.from_numpy(source).to(device, non_blocking=True)
+        resolve = None
+        if holes:
+            resolve = functools.partial(_write_argmaxes, input_ids, where, flight.logits, source)
+        core.num_steps += 1
+        execute = functools.partial(core.runner.execute, inputs)
+        self.in_flight = InFlight(batch, self.worker.submit(execute, resolve))
+
     def _submit(
         self, batch: list[ScheduledSeq], inputs: Any, holes: list[tuple[int, ScheduledSeq]],
         sampled: SampledStep | None,
@@ -161,12 +228,7 @@ class OverlapStepper:
         """Puts step N's tokens into step N+1's placeholders (`holes`: input index and entry),
         runs its block copies and hands its forward to the worker."""
         core = self.core
-        tokens = dict(zip(sampled.seqs, sampled.tokens, strict=True)) if sampled is not None else {}
-        values = []
-        for _, item in holes:
-            token = tokens.get(item.seq)
-            item.token_ids[0] = token = RESOLVED_IF_LOST if token is None else token
-            values.append(token)
+        values = _fill_holes(holes, sampled)
         if holes and inputs is not None:
             where = [index for index, _ in holes]
             input_ids = inputs.input_ids
@@ -214,6 +276,51 @@ def _placeholders(batch: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
             holes.append((index, item))
         index += len(item.token_ids)
     return holes
+
+
+def _fill_holes(holes: list[tuple[int, ScheduledSeq]], sampled: SampledStep | None) -> list[int]:
+    """Step N's sampled tokens into the entries of step N+1 that decode a placeholder (a harmless
+    one where a sequence's step failed or it was not sampled); returns them in `holes`' order."""
+    tokens = dict(zip(sampled.seqs, sampled.tokens, strict=True)) if sampled is not None else {}
+    values = []
+    for _, item in holes:
+        token = tokens.get(item.seq)
+        item.token_ids[0] = token = RESOLVED_IF_LOST if token is None else token
+        values.append(token)
+    return values
+
+
+def _logit_rows(batch: list[ScheduledSeq]) -> dict[int, int]:
+    """By `id` of each sequence of `batch` that decodes one token (`logits == "last"`), its row
+    of the step's logits: one row per such entry and one per token of an entry with all its
+    logits, in batch order, as the runner returns them."""
+    rows, row = {}, 0
+    for item in batch:
+        if item.logits == "last":
+            rows[id(item.seq)] = row
+            row += 1
+        elif item.logits == "all":
+            row += len(item.token_ids)
+    return rows
+
+
+def _write_argmaxes(input_ids: torch.Tensor, where: Any, logits: Future, source: Any) -> None:
+    """On the worker: `input_ids[0, where[i]]` = the argmax of row `source[i]` of the finished
+    step's `logits` (float32, as `sample` takes them), or a harmless token if that step failed
+    (its requests fail with it, and their rows here are discarded). On the CPU `where` and
+    `source` are numpy arrays (indexing by them costs a tenth of torch's), else device tensors;
+    `source` is `slice(None)` for every row in order."""
+    try:
+        rows = logits.result().float()
+    except Exception:
+        rows = None
+    if rows is None:
+        input_ids[0, where] = RESOLVED_IF_LOST
+    elif input_ids.device.type == "cpu":
+        chosen = rows if isinstance(source, slice) else torch.from_numpy(rows.numpy()[source])
+        input_ids.numpy()[0, where] = greedy(chosen).numpy()
+    else:
+        input_ids[0, where] = greedy(rows[source]).to(input_ids.dtype)
 
 
 def _computed(batch: list[ScheduledSeq]) -> None:

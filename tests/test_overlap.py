@@ -10,9 +10,11 @@ checked after every step.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_engine import checked, no_leaks, prompts
 
-from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
+from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams, overlap
+from radixkv.model.step_worker import StepWorker
 from radixkv.outputs import RequestOutput
 
 POOL = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 32, "max_num_seqs": 8}
@@ -86,6 +88,65 @@ def test_overlap_gives_the_serial_outputs(model_folders):
     no_leaks(overlapped)
 
 
+def count_worker_resolutions(monkeypatch) -> list[bool]:
+    """Records each step whose placeholders the worker filled, True where the step before it
+    had failed (its tokens then replaced by a harmless one)."""
+    calls: list[bool] = []
+    write = overlap._write_argmaxes
+
+    def counted(input_ids, where, logits, source) -> None:
+        calls.append(logits.exception() is not None)
+        write(input_ids, where, logits, source)
+
+    monkeypatch.setattr(overlap, "_write_argmaxes", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("params", "on_worker"),
+    [
+        (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), True),
+        (SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True), False),
+        (SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True), False),
+    ],
+    ids=["greedy", "seeded-sampling", "greedy-with-a-penalty"],
+)
+def test_greedy_placeholders_are_resolved_on_the_worker_others_by_the_host(
+    model_folders, monkeypatch, params, on_worker
+):
+    """A decode step whose placeholders are all plain greedy sequences' is submitted before the
+    step ahead of it is sampled, the worker writing their tokens (the argmaxes of that step's
+    logits): at least the 8 decode steps after the first of each sequence's 10 tokens. A sampled
+    or penalized sequence waits for the host's sampling. Either way the outputs are the serial
+    engine's."""
+    resolved = count_worker_resolutions(monkeypatch)
+    batch = prompts(5, seed=9, low=6, high=20)
+    serial = [o.token_ids for o in engine(model_folders["llama"], overlap=False).generate(batch, params)]
+    overlapped = engine(model_folders["llama"], overlap=True)
+    assert [o.token_ids for o in overlapped.generate(batch, params)] == serial
+    fewest, most = (8, overlapped.num_steps) if on_worker else (0, 0)
+    assert fewest <= len(resolved) <= most
+    assert True not in resolved
+    no_leaks(overlapped)
+
+
+def test_a_step_workers_prelude_runs_before_the_job_is_reported_started():
+    worker = StepWorker(torch.device("cpu"))
+    order: list[str] = []
+    done = worker.submit(lambda: order.append("job") or 7, prelude=lambda: order.append("prelude"))
+    order.append("submit returned")
+    assert done.result(timeout=30) == 7
+    assert order[0] == "prelude" and sorted(order[1:]) == ["job", "submit returned"]
+
+    def broken() -> None:
+        raise Fault("in the prelude")
+
+    failed = worker.submit(lambda: order.append("never"), prelude=broken)  # returns: no hang
+    assert isinstance(failed.exception(timeout=30), Fault) and "never" not in order
+    assert worker.submit(lambda: 8).result(timeout=30) == 8  # the worker goes on
+    worker.close()
+
+
 def test_overlap_under_preemption_keeps_outputs_and_books(model_folders):
     batch = prompts(8, seed=2, low=20, high=40)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -125,7 +186,10 @@ def test_aborts_while_a_step_is_in_flight_cache_only_computed_kv(model_folders, 
 
 
 @pytest.mark.parametrize("at_call", [1, 2, 5])
-def test_a_failed_forward_fails_its_step_only(model_folders, at_call):
+def test_a_failed_forward_fails_its_step_only(model_folders, monkeypatch, at_call):
+    """Greedy requests: the step behind the failed one was submitted before it failed, and the
+    worker wrote a harmless token in the places of its tokens."""
+    resolved = count_worker_resolutions(monkeypatch)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     requests = [(p, params) for p in prompts(6, seed=4)]
     eng = engine(model_folders["llama"], overlap=True, max_num_seqs=3)
@@ -155,6 +219,7 @@ def test_a_failed_forward_fails_its_step_only(model_folders, at_call):
         else:
             assert eng.output(rid).token_ids == fresh.generate([prompt], params)[0].token_ids
     assert failed_batch and len(failed_batch) < len(ids)
+    assert True in resolved
     no_leaks(eng)
     # The failure cached nothing uncomputed: the failed prompts, sent again, give fresh outputs.
     again = [p for rid, (p, _) in zip(ids, requests, strict=True) if rid in failed_batch]

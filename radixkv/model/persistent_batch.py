@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from radixkv.kernels import AttentionLaunches
 from radixkv.scheduler.chunk import SequenceChunk
 
 _ALIGN = 4
@@ -32,7 +33,8 @@ _ALIGN = 4
 class HostBatch(NamedTuple):
     """One step's metadata as device tensors (views of one transfer), int32 throughout.
     With KV groups (`radixkv.cache.kv_groups`), `group_slots[g - 1]` and `group_tables[g - 1]`
-    are group g's slot mapping and block table, beside group 0's own."""
+    are group g's slot mapping and block table, beside group 0's own. `launches` is the step's
+    attention plan when `ModelRunner.prepare` made it (None: the forward plans it)."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
@@ -43,6 +45,7 @@ class HostBatch(NamedTuple):
     block_table: torch.Tensor  # [S, W], W = the step's longest table
     group_slots: tuple[torch.Tensor, ...] = ()  # [T] each
     group_tables: tuple[torch.Tensor, ...] = ()  # [S, W] each
+    launches: AttentionLaunches | None = None
 
 
 class PersistentBatch:

@@ -13,7 +13,7 @@ import torch
 
 from radixkv import kernels
 from radixkv.cache.kv_groups import KVGroups, kv_groups
-from radixkv.kernels import plan_paged_attention
+from radixkv.kernels import AttentionLaunches, plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.host_kv import HostKVCache
@@ -150,10 +150,15 @@ class ModelRunner:
 
     def prepare(self, chunks: list[SequenceChunk]) -> HostBatch:
         """The first half of `forward`: the chunks' inputs, built on the host and sent to the
-        device. With host/device overlap the engine prepares a step while the one before runs."""
+        device, with their attention launches planned (but for a step a CUDA graph replays, which
+        plans its own). With host/device overlap the engine prepares a step while the one before
+        runs, so that the forward that follows it starts at once."""
         if self.closed:
             raise RuntimeError("the model runner is closed")
-        return self.batch.prepare(chunks)
+        step = self.batch.prepare(chunks)
+        if self.graphs is None or not self.graphs.fits(step):
+            step = step._replace(launches=self._plan(step))
+        return step
 
     @torch.inference_mode()
     def execute(self, step: HostBatch) -> torch.Tensor:
@@ -185,13 +190,9 @@ class ModelRunner:
                 self.pending_load, self.last_load = None, load
 
     def paged_batch(self, step: HostBatch, load: LayeredLoad | None = None) -> PagedBatch:
-        """What every layer's attention reads for `step`, its launches planned once here; `load`
-        is waited for layer by layer."""
-        launches = plan_paged_attention(
-            step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
-        )
+        """What every layer's attention reads for `step`, its launches planned once a step (by
+        `prepare`, else here); `load` is waited for layer by layer."""
+        launches = step.launches if step.launches is not None else self._plan(step)
         return PagedBatch(
             k_caches=self.k_caches,
             v_caches=self.v_caches,
@@ -205,6 +206,13 @@ class ModelRunner:
             group_of=self.groups.group if step.group_tables else None,
             group_tables=(step.block_table, *step.group_tables) if step.group_tables else (),
             group_slots=(step.slot_mapping, *step.group_slots) if step.group_tables else (),
+        )
+
+    def _plan(self, step: HostBatch) -> AttentionLaunches:
+        return plan_paged_attention(
+            step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
         )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

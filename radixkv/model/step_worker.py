@@ -37,13 +37,16 @@ class StepWorker:
         self._thread = threading.Thread(target=self._run, name="radixkv-step-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], Any]) -> Future:
-        """Queues `job`; returns once it has started. RuntimeError once the worker is closed."""
+    def submit(self, job: Callable[[], Any], prelude: Callable[[], None] | None = None) -> Future:
+        """Queues `job`; returns once it has started. `prelude`, if any, runs on the worker just
+        before the job is reported started: Python the job needs done before the host resumes
+        (the host would hold the lock while it ran). An exception in either fails the Future.
+        RuntimeError once the worker is closed."""
         if self._closed:
             raise RuntimeError("the step worker is closed")
         future: Future = Future()
         started = threading.Event()
-        self._jobs.put((job, future, started))
+        self._jobs.put((job, prelude, future, started))
         if not started.wait(START_TIMEOUT_S):
             future.set_exception(RuntimeError("the step worker did not start the forward"))
         return future
@@ -63,11 +66,14 @@ class StepWorker:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            job, future, started = item
-            started.set()
+            job, prelude, future, started = item
             try:
+                if prelude is not None:
+                    prelude()
+                started.set()
                 result = job()
             except BaseException as exc:  # the step's, not the thread's: the engine contains it
+                started.set()
                 if not future.done():
                     future.set_exception(exc)
             else:
