@@ -171,16 +171,16 @@ def test_aborts_while_a_step_is_in_flight_cache_only_computed_kv(model_folders, 
     for rid in ids[::2]:
         eng.abort(rid)  # the step in flight still computes these
     eng.run_until(lambda: not eng.has_unfinished_requests())
-    fresh = engine(model_folders["llama"], overlap=False)
+    fresh = [o.token_ids for o in engine(model_folders["llama"], overlap=False).generate(batch, params)]
     for i, rid in enumerate(ids):
         out = eng.output(rid)
         if i % 2:
-            assert out.token_ids == fresh.generate([batch[i]], params)[0].token_ids
+            assert out.token_ids == fresh[i]
         else:
             assert out.samples[0].finish_reason == "abort"
     # What the aborted requests cached is right: sent again, they hit it and give fresh outputs.
-    again = eng.generate([batch[i] for i in range(0, 6, 2)], params)
-    assert [o.token_ids for o in again] == [o.token_ids for o in fresh.generate(batch[::2], params)]
+    again = eng.generate(batch[::2], params)
+    assert [o.token_ids for o in again] == fresh[::2]
     assert (sum(o.num_cached_tokens for o in again) > 0) == hits
     no_leaks(eng)
 
@@ -210,22 +210,22 @@ def test_a_failed_forward_fails_its_step_only(model_folders, monkeypatch, at_cal
     eng.run_until(lambda: not eng.has_unfinished_requests())
     failed_flight = flights[at_call - 1]  # the step submitted as call `at_call`
     failed_batch = {item.request.request_id for item in failed_flight.batch}
-    fresh = engine(model_folders["llama"], overlap=False)
-    for rid, (prompt, params) in zip(ids, requests, strict=True):
+    prompts_ = [prompt for prompt, _ in requests]
+    fresh = [o.token_ids for o in engine(model_folders["llama"], overlap=False).generate(prompts_, params)]
+    for rid, expected in zip(ids, fresh, strict=True):
         if rid in failed_batch:
             with pytest.raises(RequestError) as info:
                 eng.output(rid)
             assert isinstance(info.value.__cause__, Fault)
         else:
-            assert eng.output(rid).token_ids == fresh.generate([prompt], params)[0].token_ids
+            assert eng.output(rid).token_ids == expected
     assert failed_batch and len(failed_batch) < len(ids)
     assert True in resolved
     no_leaks(eng)
     # The failure cached nothing uncomputed: the failed prompts, sent again, give fresh outputs.
-    again = [p for rid, (p, _) in zip(ids, requests, strict=True) if rid in failed_batch]
-    assert [o.token_ids for o in eng.generate(again, params)] == [
-        o.token_ids for o in fresh.generate(again, params)
-    ]
+    again = [i for i, rid in enumerate(ids) if rid in failed_batch]
+    outputs = eng.generate([prompts_[i] for i in again], params)
+    assert [o.token_ids for o in outputs] == [fresh[i] for i in again]
 
 
 def test_close_with_a_step_in_flight_then_later_requests_fail_at_once(model_folders):
