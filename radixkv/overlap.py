@@ -20,7 +20,8 @@ One overlapped `step()` (in the order it runs, under the step lock):
 
 Resolved on the worker, as SGLang's overlap scheduler resolves its future token ids on the device:
 when every placeholder of step N+1 belongs to a greedy sequence whose logits nothing processes, and
-step N+1 moves no blocks, its token is the argmax of its row of step N's logits, which the worker
+step N+1 moves no blocks (and, for now, on the CPU only: see `_resolvable`), its token is the
+argmax of its row of step N's logits, which the worker
 holds as soon as step N's forward ends. The worker's job for step N+1 then starts by writing those
 argmaxes into its inputs, right after step N's forward, with no wait for the host: the device goes
 from one step to the next without the two thread hand-overs (the host waking at step N's result,
@@ -141,6 +142,7 @@ class OverlapStepper:
                         ended += core._fail_each(failed)
             except BaseException as exc:  # contained as a failure of both steps, then re-raised
                 self.settle()
+                self.worker.drain()  # a step submitted but not yet tracked, or not yet sampled
                 steps = (flight.batch if flight is not None else []) + batch
                 core._notify(ended + core._fail_each([(r, exc) for r in _requests(steps)]))
                 raise
@@ -190,9 +192,14 @@ class OverlapStepper:
 
     def _resolvable(self, inputs: Any, holes: list[tuple[int, ScheduledSeq]]) -> bool:
         """Whether the worker can fill step N+1's placeholders from step N's logits (see the
-        module docstring): built inputs, no block transfer before the forward, and every
-        placeholder a greedy sequence's whose logits nothing processes."""
-        if inputs is None or self.core.kv.transfers.pending:
+        module docstring): built inputs on the CPU, no block transfer before the forward, and
+        every placeholder a greedy sequence's whose logits nothing processes.
+
+        Not on CUDA yet: the host samples step N on the stream the worker has queued step N+1
+        on, so its `tolist()` would wait for step N+1 to end and the device would idle through
+        the host's commit. That needs the host's sampling on a stream of its own, waiting for an
+        event after step N's logits."""
+        if inputs is None or inputs.input_ids.device.type != "cpu" or self.core.kv.transfers.pending:
             return False
         params = [item.request.params for _, item in holes]
         return all(p.greedy and not p.processes_logits for p in params)
@@ -209,11 +216,6 @@ class OverlapStepper:
         source: Any = np.array([rows[id(item.seq)] for _, item in holes], dtype=np.int64)
         if len(source) == len(rows) == len(flight.batch) and (source == np.arange(len(source))).all():
             source = slice(None)  # every row of step N, in order: the common all-decode step
-        device = input_ids.device
-        if device.type != "cpu":
-            where = torch.from_numpy(where).to(device, non_blocking=True)
-            if not isinstance(source, slice):
-                source = torch.from_numpy(source).to(device, non_blocking=True)
         resolve = None
         if holes:
             resolve = functools.partial(_write_argmaxes, input_ids, where, flight.logits, source)
@@ -307,20 +309,16 @@ def _logit_rows(batch: list[ScheduledSeq]) -> dict[int, int]:
 def _write_argmaxes(input_ids: torch.Tensor, where: Any, logits: Future, source: Any) -> None:
     """On the worker: `input_ids[0, where[i]]` = the argmax of row `source[i]` of the finished
     step's `logits` (float32, as `sample` takes them), or a harmless token if that step failed
-    (its requests fail with it, and their rows here are discarded). On the CPU `where` and
-    `source` are numpy arrays (indexing by them costs a tenth of torch's), else device tensors;
-    `source` is `slice(None)` for every row in order."""
+    (its requests fail with it, and their rows here are discarded). CPU tensors; `where` and
+    `source` are numpy arrays (indexing by them costs a tenth of torch's), `source` `slice(None)`
+    for every row in order."""
     try:
         rows = logits.result().float()
     except Exception:
-        rows = None
-    if rows is None:
-        input_ids[0, where] = RESOLVED_IF_LOST
-    elif input_ids.device.type == "cpu":
-        chosen = rows if isinstance(source, slice) else torch.from_numpy(rows.numpy()[source])
-        input_ids.numpy()[0, where] = greedy(chosen).numpy()
-    else:
-        input_ids[0, where] = greedy(rows[source]).to(input_ids.dtype)
+        input_ids.numpy()[0, where] = RESOLVED_IF_LOST
+        return
+    chosen = rows if isinstance(source, slice) else torch.from_numpy(rows.numpy()[source])
+    input_ids.numpy()[0, where] = greedy(chosen).numpy()
 
 
 def _computed(batch: list[ScheduledSeq]) -> None:

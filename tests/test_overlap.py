@@ -9,11 +9,14 @@ checked after every step.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_engine import checked, no_leaks, prompts
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams, overlap
+from radixkv.model import step_worker
 from radixkv.model.step_worker import StepWorker
 from radixkv.outputs import RequestOutput
 
@@ -145,6 +148,51 @@ def test_a_step_workers_prelude_runs_before_the_job_is_reported_started():
     assert isinstance(failed.exception(timeout=30), Fault) and "never" not in order
     assert worker.submit(lambda: 8).result(timeout=30) == 8  # the worker goes on
     worker.close()
+
+
+def test_a_job_queued_behind_a_long_one_is_not_timed_out(monkeypatch):
+    """The start timeout counts from when the worker takes a job: a step submitted behind a
+    forward longer than the timeout (the worker-resolved path submits that early) still runs."""
+    monkeypatch.setattr(step_worker, "START_TIMEOUT_S", 0.2)
+    worker = StepWorker(torch.device("cpu"))
+    release = threading.Event()
+    first = worker.submit(lambda: release.wait(30) and 1)
+    timer = threading.Timer(1.0, release.set)  # five start timeouts after the second is queued
+    timer.start()
+    second = worker.submit(lambda: 2)
+    assert (first.result(timeout=30), second.result(timeout=30)) == (1, 2)
+    timer.join()
+    worker.close()
+
+
+def test_an_interrupt_while_submitting_leaves_no_step_running(model_folders, monkeypatch):
+    """A KeyboardInterrupt in the host while a worker-resolved step is being submitted: the step
+    ahead of it and the step itself are waited for before their requests are failed and their
+    blocks released, so no forward writes blocks the cache has handed on. The engine goes on."""
+    eng = engine(model_folders["llama"], overlap=True)
+    stepper = eng._overlap
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batch = prompts(4, seed=12, low=6, high=20)
+    for prompt in batch:
+        eng.add_request(prompt, params)
+    submit, submitted = stepper.worker.submit, []
+
+    def interrupted(job, prelude=None):
+        submitted.append(submit(job, prelude))
+        if prelude is not None:  # the worker-resolved path
+            raise KeyboardInterrupt
+        return submitted[-1]
+
+    monkeypatch.setattr(stepper.worker, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            eng.step()
+    assert submitted and all(f.done() for f in submitted)
+    monkeypatch.setattr(stepper.worker, "submit", submit)
+    no_leaks(eng)
+    fresh = engine(model_folders["llama"], overlap=False).generate(batch, params)
+    assert [o.token_ids for o in eng.generate(batch, params)] == [o.token_ids for o in fresh]
+    no_leaks(eng)
 
 
 def test_overlap_under_preemption_keeps_outputs_and_books(model_folders):

@@ -21,8 +21,11 @@ import torch
 
 _STOP = object()
 START_TIMEOUT_S = 60.0
-"""How long `submit` waits for the worker to start a job: a worker that does not start one in a
-minute is stuck, and the job fails rather than hang the step."""
+"""How long `submit` waits for the worker to start a job once it has taken it (the jobs ahead of
+it may take as long as they take): a worker that does not start one in a minute is stuck, and the
+job fails rather than hang the step."""
+ALIVE_CHECK_S = 1.0
+"""How often `submit` looks whether the worker thread still lives while the jobs ahead run."""
 
 
 class StepWorker:
@@ -45,11 +48,20 @@ class StepWorker:
         if self._closed:
             raise RuntimeError("the step worker is closed")
         future: Future = Future()
-        started = threading.Event()
-        self._jobs.put((job, prelude, future, started))
+        taken, started = threading.Event(), threading.Event()
+        self._jobs.put((job, prelude, future, taken, started))
+        while not taken.wait(ALIVE_CHECK_S):
+            if not self._thread.is_alive():
+                future.set_exception(RuntimeError("the step worker is gone"))
+                return future
         if not started.wait(START_TIMEOUT_S):
             future.set_exception(RuntimeError("the step worker did not start the forward"))
         return future
+
+    def drain(self) -> None:
+        """Returns once every job submitted so far has ended (a no-op queued behind them)."""
+        if not self._closed and self._thread.is_alive():
+            self.submit(lambda: None).exception()
 
     def close(self) -> None:
         """Stops the thread once its queued jobs are done (idempotent)."""
@@ -66,7 +78,8 @@ class StepWorker:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            job, prelude, future, started = item
+            job, prelude, future, taken, started = item
+            taken.set()
             try:
                 if prelude is not None:
                     prelude()
