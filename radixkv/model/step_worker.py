@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -25,7 +26,8 @@ START_TIMEOUT_S = 60.0
 it may take as long as they take): a worker that does not start one in a minute is stuck, and the
 job fails rather than hang the step."""
 ALIVE_CHECK_S = 1.0
-"""How often `submit` looks whether the worker thread still lives while the jobs ahead run."""
+"""How often `submit` looks whether the worker still lives and has taken the job, while the jobs
+ahead of it run."""
 
 
 class StepWorker:
@@ -47,16 +49,18 @@ class StepWorker:
         RuntimeError once the worker is closed."""
         if self._closed:
             raise RuntimeError("the step worker is closed")
-        future: Future = Future()
-        taken, started = threading.Event(), threading.Event()
-        self._jobs.put((job, prelude, future, taken, started))
-        while not taken.wait(ALIVE_CHECK_S):
+        queued = _Queued(job, prelude)
+        self._jobs.put(queued)
+        # One event only: a wake-up of this thread at the take would contend with the prelude.
+        while not queued.started.wait(ALIVE_CHECK_S):
             if not self._thread.is_alive():
-                future.set_exception(RuntimeError("the step worker is gone"))
-                return future
-        if not started.wait(START_TIMEOUT_S):
-            future.set_exception(RuntimeError("the step worker did not start the forward"))
-        return future
+                queued.future.set_exception(RuntimeError("the step worker is gone"))
+                break
+            taken = queued.taken_at
+            if taken is not None and time.monotonic() - taken > START_TIMEOUT_S:
+                queued.future.set_exception(RuntimeError("the step worker did not start the forward"))
+                break
+        return queued.future
 
     def drain(self) -> None:
         """Returns once every job submitted so far has ended (a no-op queued behind them)."""
@@ -78,17 +82,30 @@ class StepWorker:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            job, prelude, future, taken, started = item
-            taken.set()
+            item.taken_at = time.monotonic()
+            future = item.future
             try:
-                if prelude is not None:
-                    prelude()
-                started.set()
-                result = job()
+                if item.prelude is not None:
+                    item.prelude()
+                item.started.set()
+                result = item.job()
             except BaseException as exc:  # the step's, not the thread's: the engine contains it
-                started.set()
+                item.started.set()
                 if not future.done():
                     future.set_exception(exc)
             else:
                 if not future.done():
                     future.set_result(result)
+
+
+class _Queued:
+    """A submitted job, with what its submitter waits on: `started` (set by the worker once the
+    prelude has run), `taken_at` (its `time.monotonic()` when the worker took the job)."""
+
+    __slots__ = ("future", "job", "prelude", "started", "taken_at")
+
+    def __init__(self, job: Callable[[], Any], prelude: Callable[[], None] | None) -> None:
+        self.job, self.prelude = job, prelude
+        self.future: Future = Future()
+        self.started = threading.Event()
+        self.taken_at: float | None = None
