@@ -41,10 +41,11 @@ from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
+from radixkv.engine_metrics import EngineMetrics
 from radixkv.errors import RequestError
 from radixkv.input_processor import InputProcessor, Params, Prompt
 from radixkv.kvstore import KeySpace, KVStore, open_backend
-from radixkv.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Histogram, prometheus_text
+from radixkv.metrics import prometheus_text
 from radixkv.model.loader import load_model
 from radixkv.model.memory_profile import kv_cache_budget
 from radixkv.model.parallel_runner import ParallelRunner
@@ -153,9 +154,7 @@ class EngineCore:
         self._closed_sessions: deque[str] = deque()
         self._lock = threading.RLock()  # the step lock
         self._submit_lock = threading.Lock()  # makes a request id's check and claim one act; never held long
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        self.stats = EngineMetrics()
         self.step_hooks: list[Callable[[Any], None]] = []  # called after every step, failed ones too
         self.on_submit: Callable[[], None] | None = None  # a submission or abort is queued
         self.on_update: Callable[[list[Request]], None] | None = None  # requests advanced or ended
@@ -301,7 +300,7 @@ class EngineCore:
 
     def _end_step(self, touched: list[Request], ended: list[Request]) -> list[Request]:
         """A step's last acts, under the step lock: metrics, hooks, `on_update`; returns `touched`."""
-        self._observe(touched)
+        self.stats.observe(touched)
         for hook in self.step_hooks:
             hook(self)
         self._notify(ended + touched)
@@ -403,33 +402,8 @@ class EngineCore:
     # ---------------------------------------------------------------- metrics
 
     def metrics(self) -> dict:
-        cache = self.kv.cache
-        host = cache.host if cache is not None else None
-        return {
-            "kv_cache_usage": 1.0 - self.pool.num_free / self.pool.num_blocks,
-            "num_blocks": self.pool.num_blocks,
-            "num_free_blocks": self.pool.num_free,
-            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_evicted_blocks": cache.num_evicted if cache else 0,
-            "num_cow_copies": self.kv.num_cow_copies,
-            "num_host_blocks": host.pool.num_blocks if host else 0,
-            "num_free_host_blocks": host.pool.num_free if host else 0,
-            "host_cache_hits": self.scheduler.host_cache_hits,
-            "num_offloaded_blocks": host.num_offloaded if host else 0,
-            "num_loaded_blocks": host.num_loaded if host else 0,
-            "num_swapped_out_blocks": self.kv.num_swapped_out_blocks,
-            "num_swapped_in_blocks": self.kv.num_swapped_in_blocks,
-            "store_cache_hits": self.scheduler.store_cache_hits,
-            **(self.store.metrics() if self.store is not None else {}),
-            "running": len(self.scheduler.running),
-            "running_seqs": self.scheduler.num_running_seqs,
-            "waiting": len(self.scheduler.waiting) + len(self._inbox),
-            "time_to_first_token_seconds": self.ttft.as_dict(),
-            "inter_token_latency_seconds": self.itl.as_dict(),
-            "e2e_request_latency_seconds": self.e2e.as_dict(),
-        }
+        """Counters, gauges and latency histograms (`radixkv.engine_metrics`)."""
+        return self.stats.snapshot(self.pool, self.kv, self.scheduler, self.store, len(self._inbox))
 
     def metrics_text(self) -> str:
         """The metrics in Prometheus' text exposition format."""
@@ -504,12 +478,3 @@ class EngineCore:
     def _notify(self, requests: list[Request]) -> None:
         if self.on_update is not None and requests:
             self.on_update(requests)
-
-    def _observe(self, touched: list[Request]) -> None:
-        for request in touched:
-            if request.status is Status.FINISHED and request.first_token_time is not None:
-                self.ttft.observe(request.first_token_time - request.arrival_time)
-                self.e2e.observe(request.finish_time - request.arrival_time)
-                for gap in request.inter_token_s:
-                    self.itl.observe(gap)
-
