@@ -239,6 +239,28 @@ def test_a_core_outlives_its_killed_launcher_and_the_next_core_gets_a_new_one(mo
     asyncio.run(main())
 
 
+@pytest.mark.slow
+def test_a_forked_child_of_the_front_end_does_not_keep_its_launcher_alive(monkeypatch):
+    """A launcher ends at EOF on its request pipe, when its front end exits. A child the front
+    end forked (multiprocessing's fork start method) lets go of that pipe at the fork, so the
+    launcher still ends with its parent while the child lives on. Without that, the launcher
+    waited for the child."""
+    from radixkv.engine_process import launcher
+
+    fresh = launcher.Launcher()
+    monkeypatch.setattr(launcher, "_launcher", fresh)
+    child = os.fork()
+    if child == 0:  # the child: outlive the parent's use of the launcher by far (it is killed)
+        time.sleep(300)
+        os._exit(0)
+    try:
+        fresh.process.stdin.close()  # the parent is done with the launcher, as at its exit
+        assert fresh.process.wait(timeout=60) == 0  # its imports first, then EOF
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_a_killed_core_fails_every_open_request_at_once(model_folders):
     async def main() -> None:
         engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))

@@ -14,8 +14,9 @@ and the core's arguments; the launcher forks, the child becomes the core
 reports each exit status, which `CoreHandle` shows as `subprocess.Popen` shows a child's.
 
 Lifetime. The launcher ignores SIGINT and SIGTERM, as cores do (the front end stops its cores in
-order), and ends at EOF on its request pipe: when the front end exits, however it dies. A core
-watches the front end itself (`core_process`), so none outlives it either.
+order), and ends at EOF on its request pipe: when the front end exits, however it dies (a child
+the front end forks lets go of that pipe at the fork). A core watches the front end itself
+(`core_process`), so none outlives it either.
 
 Wire: a request is a 4-byte little-endian length and a pickle; a report is `REPORT` (b"S" and
 the pid of a core started, or b"X", a pid and its exit code), on a pipe of its own so that the
@@ -197,6 +198,29 @@ def start() -> Launcher:
 def launch(core_args: bytes) -> CoreHandle:
     """Starts a core through this process's launcher (`start`)."""
     return start().launch(core_args)
+
+
+def _let_go_in_child() -> None:
+    """After a fork of the front end (multiprocessing's fork start method, a plain `os.fork`): the
+    child lets go of its parent's launcher, whose request pipe it would otherwise hold open, so
+    that the launcher still ends at its parent's exit. The pipe's descriptor is pointed at
+    /dev/null rather than closed, so that the inherited file object closing it later can never
+    close a descriptor that was handed on; the report pipe too while the parent's reader has it
+    open. The child starts a launcher of its own if it needs one (`start`), under a fresh lock:
+    a thread of the parent's may have held the old one at the fork."""
+    global _launcher, _launcher_lock
+    _launcher_lock = threading.Lock()
+    inherited, _launcher = _launcher, None
+    if inherited is None:
+        return
+    fds = [inherited.process.stdin.fileno()] + ([] if inherited._gone else [inherited._reports])
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        os.dup2(null, fd)
+    os.close(null)
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 # --------------------------------------------------------------- the launcher process
