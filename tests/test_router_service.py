@@ -140,3 +140,37 @@ def test_a_session_no_replica_had_open_is_their_404_and_a_dead_replica_leaves_ro
     r = client.delete("/v1/sessions/s0")
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
     assert len(dead.requests) == 1  # out of routing: not asked again
+
+
+def test_the_router_s_metrics_carry_each_live_replica_s_own_labelled_by_replica():
+    """A scrape of the router gets its own counts and, after them, every live replica's engine
+    metrics with a `replica` label; a replica out of routing is not asked, and one whose answer
+    does not parse is left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixkv.metrics import prometheus_text
+
+    def engine_metrics(hits: int) -> list:
+        text = prometheus_text({"store_cache_hits": hits, "running": 1})
+        return [ResponseHead(200, [("content-type", "text/plain")]), text.encode()]
+
+    garbled = Scripted([ResponseHead(200, JSON), b'{"not": "prometheus"}'])
+    replicas = [Scripted(engine_metrics(hits)) for hits in (5, 7, 100)] + [garbled]
+    service, client = serve(replicas)
+    service.router.set_alive(2, False)
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    samples = {
+        (s.name, s.labels.get("replica")): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+    assert samples[("radixkv_store_cache_hits_total", "0")] == 5
+    assert samples[("radixkv_store_cache_hits_total", "1")] == 7
+    assert ("radixkv_store_cache_hits_total", "2") not in samples and not replicas[2].requests
+    assert samples[("radixkv_running", "1")] == 1
+    assert ("radixkv_router_retries_total", None) in samples  # the router's own come first
+    assert [q.path for q in replicas[0].requests] == ["/metrics"] == [q.path for q in garbled.requests]
+    engines = {replica for name, replica in samples if not name.startswith("radixkv_router_")}
+    assert engines == {"0", "1"}
+

@@ -6,6 +6,11 @@ Read at scrape time from the `Router`'s own per-replica stats (no second set of 
 hold, summed over the requests it routed there) and `failures` counters; and one `retries`
 counter. estimated_hit_tokens / prompt_tokens is the routed-hit estimate to set beside each
 replica's own `radixkv_prefix_cache_hits_total`.
+
+After them come the replicas' own engine metrics, read from each live replica's `/metrics` at
+the scrape (`replica_exposition`), every sample labelled with its `replica`: so a scrape of the
+router (and `radixkv replay --url` at the router, which sums over labels) sees the replicas'
+prefix, host and store hits, preemptions and latencies without reaching each replica itself.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from radixkv.router import Router
@@ -67,3 +73,33 @@ def router_exposition(router: Router, counters: RouterCounters) -> Callable[[], 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RouterCollector(router, counters))
     return lambda: generate_latest(registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def replica_exposition(texts: list[tuple[int, str]]) -> bytes:
+    """The replicas' expositions `(replica, text)` as one, each sample given a `replica` label:
+    a family that several replicas report is one family, with a sample per replica. A text that
+    does not parse is left out whole (one replica's answer never breaks the router's scrape)."""
+    families: dict[str, Metric] = {}
+    for replica, text in texts:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for family in parsed:
+            merged = families.get(family.name)
+            if merged is None:
+                merged = Metric(family.name, family.documentation, family.type, family.unit)
+                families[family.name] = merged
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "replica": str(replica)}, sample.value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.cluster.asgi_call import Forwarded, ResponseHead
-from radixkv.cluster.router_metrics import RouterCounters, router_exposition
+from radixkv.cluster.router_metrics import RouterCounters, replica_exposition, router_exposition
 from radixkv.conversation import render_chat
 from radixkv.router import NoReplicaAvailable, Router
 from radixkv.server.errors import APIError
@@ -52,6 +52,9 @@ log = logging.getLogger("radixkv.cluster")
 REPLICA_HEADER = "x-radixkv-replica"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 SESSIONS_PATH = "/v1/sessions/"
+SCRAPE_TIMEOUT_S = 2.0
+"""How long the router's `/metrics` waits for each replica's own: a replica that is dying or
+restarting must not hold the scrape (it is left out of that one)."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -95,7 +98,7 @@ class RouterService:
                 body = {"status": "ok" if alive else "no replica alive", "replicas_alive": alive}
                 return JSONResponse(body, 200 if alive else 503)
             if request.method == "GET" and path == "/metrics":
-                return Response(self._metrics(), media_type=CONTENT_TYPE)
+                return Response(self._metrics() + await self._replica_metrics(), media_type=CONTENT_TYPE)
             raise APIError(404, f"no route {request.method} {path}", code="not_found")
         except APIError as e:
             return e.response()
@@ -174,6 +177,23 @@ class RouterService:
             except ReplicaFailed:
                 self._failed(i)
         raise _unavailable("no replica is alive to serve the request")
+
+    async def _replica_metrics(self) -> bytes:
+        """The live replicas' own `/metrics`, labelled by replica (`replica_exposition`). A
+        replica that fails to answer within `SCRAPE_TIMEOUT_S` is left out of this scrape; the
+        probes judge liveness."""
+        alive = [i for i, s in enumerate(self.router.stats) if s.alive]
+        scrape = Forwarded("GET", "/metrics", b"", [], b"")
+        asked = (asyncio.wait_for(self._whole(i, scrape), SCRAPE_TIMEOUT_S) for i in alive)
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        texts = []
+        for i, answer in zip(alive, answers, strict=True):
+            missed = isinstance(answer, ReplicaFailed | asyncio.TimeoutError)
+            if isinstance(answer, BaseException) and not missed:
+                raise answer
+            if isinstance(answer, Response) and answer.status_code == 200:
+                texts.append((i, answer.body.decode()))
+        return replica_exposition(texts)
 
     async def _close_session(self, request: Request) -> Response:
         """The close sent to every replica in routing: the first 200 among their answers, else
