@@ -21,11 +21,11 @@ One overlapped `step()` (in the order it runs, under the step lock):
 Resolved on the worker, as SGLang's overlap scheduler resolves its future token ids on the device:
 when every placeholder of step N+1 belongs to a greedy sequence whose logits nothing processes, and
 step N+1 moves no blocks (and, for now, on the CPU only: see `_resolvable`), its token is the
-argmax of its row of step N's logits, which the worker
-holds as soon as step N's forward ends. The worker's job for step N+1 then starts by writing those
-argmaxes into its inputs, right after step N's forward, with no wait for the host: the device goes
-from one step to the next without the two thread hand-overs (the host waking at step N's result,
-the worker waking at step N+1's submission) that sit between them otherwise. The host's sampling
+argmax of its row of step N's logits, which the worker holds as soon as step N's forward ends.
+The worker's job for step N+1 then starts by writing those argmaxes into its inputs, right after
+step N's forward, with no wait for the host: the device goes from one step to the next without
+the two thread hand-overs (the host waking at step N's result, the worker waking at step N+1's
+submission) that sit between them otherwise. The host's sampling
 of step N takes the same argmax of the same logits (`sample`'s greedy rows), so both agree. Any
 other step (sampled rows, logits processors, block copies, loads) takes the host's path of step 6.
 
@@ -213,9 +213,7 @@ class OverlapStepper:
         rows = _logit_rows(flight.batch)
         input_ids = inputs.input_ids
         where = np.array([index for index, _ in holes], dtype=np.int64)
-        source: Any = np.array([rows[id(item.seq)] for _, item in holes], dtype=np.int64)
-        if len(source) == len(rows) == len(flight.batch) and (source == np.arange(len(source))).all():
-            source = slice(None)  # every row of step N, in order: the common all-decode step
+        source = np.array([rows[id(item.seq)] for _, item in holes], dtype=np.int64)
         resolve = None
         if holes:
             resolve = functools.partial(_write_argmaxes, input_ids, where, flight.logits, source)
@@ -306,19 +304,17 @@ def _logit_rows(batch: list[ScheduledSeq]) -> dict[int, int]:
     return rows
 
 
-def _write_argmaxes(input_ids: torch.Tensor, where: Any, logits: Future, source: Any) -> None:
+def _write_argmaxes(input_ids: torch.Tensor, where: np.ndarray, logits: Future, source: np.ndarray) -> None:
     """On the worker: `input_ids[0, where[i]]` = the argmax of row `source[i]` of the finished
     step's `logits` (float32, as `sample` takes them), or a harmless token if that step failed
-    (its requests fail with it, and their rows here are discarded). CPU tensors; `where` and
-    `source` are numpy arrays (indexing by them costs a tenth of torch's), `source` `slice(None)`
-    for every row in order."""
+    (its requests fail with it, and their rows here are discarded). CPU tensors, indexed through
+    numpy (a tenth of torch's indexing cost here)."""
     try:
         rows = logits.result().float()
     except Exception:
         input_ids.numpy()[0, where] = RESOLVED_IF_LOST
         return
-    chosen = rows if isinstance(source, slice) else torch.from_numpy(rows.numpy()[source])
-    input_ids.numpy()[0, where] = greedy(chosen).numpy()
+    input_ids.numpy()[0, where] = greedy(torch.from_numpy(rows.numpy()[source])).numpy()
 
 
 def _computed(batch: list[ScheduledSeq]) -> None:

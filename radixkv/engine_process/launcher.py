@@ -120,6 +120,15 @@ class Launcher:
     def alive(self) -> bool:
         return not self._gone and self.process.poll() is None
 
+    def let_go(self) -> None:
+        """In a forked child: points the inherited pipes' descriptors at /dev/null (see
+        `_let_go_in_child`); the report pipe only while the parent's reader still had it open."""
+        fds = [self.process.stdin.fileno()] + ([] if self._gone else [self._reports])
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in fds:
+            os.dup2(null, fd)
+        os.close(null)
+
     def launch(self, core_args: bytes) -> CoreHandle:
         """Forks a core that runs `core_process.main(core_args)` in this process's directory,
         environment and `sys.path`."""
@@ -211,13 +220,8 @@ def _let_go_in_child() -> None:
     global _launcher, _launcher_lock
     _launcher_lock = threading.Lock()
     inherited, _launcher = _launcher, None
-    if inherited is None:
-        return
-    fds = [inherited.process.stdin.fileno()] + ([] if inherited._gone else [inherited._reports])
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in fds:
-        os.dup2(null, fd)
-    os.close(null)
+    if inherited is not None:
+        inherited.let_go()
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)
