@@ -5,7 +5,9 @@ each test then takes a few seconds. Marked `cluster`: CI installs Ray with the t
 runs it; `-m "not cluster"` leaves it out.
 """
 
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -154,10 +156,25 @@ def replica_metric(name: str, replica: int) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+def replica_pid(replica: int) -> int:
+    """The process of replica `replica`'s engine: Ray titles each actor's worker process after its
+    class and deployment (`ray::ServeReplica:radixkv:engine-1`)."""
+    title = f"ServeReplica:radixkv:engine-{replica}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and title in open(f"/proc/{entry}/cmdline", "rb").read():
+                found.append(int(entry))
+        except OSError:  # a process that ended while we looked
+            pass
+    (pid,) = found
+    return pid
+
+
 def test_a_killed_replica_leaves_routing_its_requests_are_retried_and_it_comes_back(client, base_url):
-    """The kill lands while replica 1's own engine runs a request (its own gauge, polled from
-    the requests' start): each makes 200 tokens, seconds of steps, and the kill follows the
-    reading with one call.
+    """SIGKILL lands while replica 1's own engine runs one of this test's requests: both engines
+    are idle before the requests start, replica 1's gauge is polled from their start, each makes
+    200 tokens (seconds of steps), and the signal follows the reading with one call.
 
     The router's in-flight count would not do: it counts a request from the moment the router
     sends it, and Ray Serve re-sends a request that its replica had not yet accepted when it
@@ -180,8 +197,11 @@ def test_a_killed_replica_leaves_routing_its_requests_are_retried_and_it_comes_b
         except Exception as e:
             errors.append(e)
 
-    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "engine-1" in a["name"]]
-    replica_1 = ray.get_actor(name, namespace="serve")
+    deadline = time.monotonic() + 60
+    while replica_metric("radixkv_running", 0) or replica_metric("radixkv_running", 1):
+        assert time.monotonic() < deadline, "an earlier test's request still runs"
+        time.sleep(0.05)
+    victim = replica_pid(1)
     threads = [threading.Thread(target=complete, args=(k,)) for k in range(6)]
     for t in threads:
         t.start()
@@ -189,7 +209,7 @@ def test_a_killed_replica_leaves_routing_its_requests_are_retried_and_it_comes_b
     while replica_metric("radixkv_running", 1) < 1:
         assert time.monotonic() < deadline, "no request ran on replica 1"
         time.sleep(0.05)
-    ray.kill(replica_1, no_restart=False)
+    os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(timeout=420)
     assert not any(t.is_alive() for t in threads), "a request did not end"
@@ -198,7 +218,7 @@ def test_a_killed_replica_leaves_routing_its_requests_are_retried_and_it_comes_b
     assert all(out.choices[0].text and out.usage.completion_tokens == max_tokens for _, out in results)
     metrics = router_metrics(base_url)
     assert metrics["radixkv_router_failures_total[1]"] >= 1
-    assert metrics["radixkv_router_retries_total"] >= 1
+    assert metrics["radixkv_router_retries_total"] >= 1, (metrics, [replica for replica, _ in results])
     # Ray restarts the replica; the router's probes take it back into routing
     deadline = time.monotonic() + 90
     while router_metrics(base_url)["radixkv_router_alive[1]"] == 0:
