@@ -20,18 +20,34 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, ROW_LEN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr, COLS: tl.constexpr,
+    V_LIKE_K: tl.constexpr, HEADS_PACKED: tl.constexpr, SLOTS_PACKED: tl.constexpr,
 ):
+    # The compile-time flags take the general index math out where the layout makes it the
+    # identity (the usual case): every op costs the interpreter the same whatever its size.
     token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     elem = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
     slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
-    head, d = elem // HEAD_DIM, elem % HEAD_DIM
-    mask = (slot >= 0)[:, None] & (elem < ROW_LEN)[None, :]
-    slot_row = slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs
-    dst = slot_row[:, None] + (head * stride_ch + d)[None, :]
-    k = tl.load(k_ptr + token[:, None] * stride_kt + (head * stride_kh + d)[None, :], mask=mask)
-    v = tl.load(v_ptr + token[:, None] * stride_vt + (head * stride_vh + d)[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    mask = (slot >= 0)[:, None]
+    if ROW_LEN % COLS != 0:  # the last column tile runs past the row
+        mask = mask & (elem < ROW_LEN)[None, :]
+    if SLOTS_PACKED:  # a block's slots follow the last block's: slot s is row s
+        slot_row = slot * stride_cs
+    else:
+        slot_row = slot // BLOCK_SIZE * stride_cb + slot % BLOCK_SIZE * stride_cs
+    if HEADS_PACKED:  # K, V and the cache hold a token's heads back to back: elem is the offset
+        k_inner = elem
+        v_inner = elem
+        dst_inner = elem
+    else:
+        head, d = elem // HEAD_DIM, elem % HEAD_DIM
+        k_inner = head * stride_kh + d
+        v_inner = head * stride_vh + d
+        dst_inner = head * stride_ch + d
+    dst = slot_row[:, None] + dst_inner[None, :]
+    k_src = token[:, None] * stride_kt + k_inner[None, :]
+    v_src = k_src if V_LIKE_K else token[:, None] * stride_vt + v_inner[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + k_src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + v_src, mask=mask), mask=mask)
 
 
 @dual_jit(do_not_specialize=("num_pairs",))
@@ -83,6 +99,9 @@ def store_kv(
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             HEAD_DIM=head_dim, ROW_LEN=row_len, BLOCK_SIZE=block_size, ROWS=plan.rows, COLS=plan.cols,
+            V_LIKE_K=k.stride()[:2] == v.stride()[:2],
+            HEADS_PACKED=k.stride(1) == v.stride(1) == k_cache.stride(2) == head_dim,
+            SLOTS_PACKED=k_cache.stride(0) == block_size * k_cache.stride(1),
         )
 
 

@@ -53,7 +53,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ITEMS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FLAT_LOADS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, OUT_LIKE_Q: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_P
     # int64 indices throughout: the interpreter checks every int32 add and mul for overflow (7 extra
@@ -88,10 +88,16 @@ def _paged_attention_kernel(
     t = q_first[:, None] + (r // GROUP_P)[None, :]
     group_head = r % GROUP_P
     head = kv_head[:, None] * GROUP + group_head[None, :]
-    row_ok = live[:, None] & (t < q_end[:, None]) & (group_head < GROUP)[None, :]
+    # Compile-time branches drop the padding masks where there is no padding (in the interpreter
+    # every op costs the same whatever its size, and each dropped op is one less).
+    row_ok = live[:, None] & (t < q_end[:, None])
+    if GROUP != GROUP_P:
+        row_ok = row_ok & (group_head < GROUP)[None, :]
     pos_q = t + shift[:, None]
     d = tl.arange(0, HEAD_DIM_P)
-    io_mask = row_ok[:, :, None] & (d < HEAD_DIM)[None, None, :]
+    io_mask = row_ok[:, :, None]
+    if HEAD_DIM != HEAD_DIM_P:
+        io_mask = io_mask & (d < HEAD_DIM)[None, None, :]
     q_rows = (t * stride_qt + head * stride_qh)[:, :, None] + d[None, None, :]
     q = (tl.load(q_ptr + q_rows, mask=io_mask, other=0.0).to(tl.float32) * qk_scale).to(DOT_DTYPE)
     # Padded head-size lanes re-read the last real lane: q is 0 there, so scores are unchanged, and
@@ -147,7 +153,8 @@ def _paged_attention_kernel(
 
     # l_i is 0 only where no key was seen: rows that are not stored, or a split with no keys.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out_rows = (t * stride_ot + head * stride_oh)[:, :, None] + d[None, None, :]
+    # Output rows with q's strides (the usual out, split or not) take q's offsets.
+    out_rows = q_rows if OUT_LIKE_Q else (t * stride_ot + head * stride_oh)[:, :, None] + d[None, None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + out_rows, (acc / l_safe[:, :, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -373,6 +380,7 @@ def _launch(
             FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             WINDOW=window is not None, SOFTCAP=softcap is not None,
+            OUT_LIKE_Q=target.stride()[-3:-1] == q.stride()[:2],
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if split:

@@ -1,6 +1,6 @@
 """How long the seeded random runs are: one environment variable scales them all.
 
-`RADIXKV_RANDOM_RUNS` multiplies every random run's full length; its default, 0.2, keeps plain
+`RADIXKV_RANDOM_RUNS` multiplies every random run's full length; its default, 0.1, keeps plain
 `pytest` (the fast tier) quick, and CI's second step runs them whole with `RADIXKV_RANDOM_RUNS=1`
 (more for a soak: `RADIXKV_RANDOM_RUNS=10 pytest tests/test_kv_cache_random.py`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-SCALE = float(os.environ.get("RADIXKV_RANDOM_RUNS", "0.2"))
+SCALE = float(os.environ.get("RADIXKV_RANDOM_RUNS", "0.1"))
 
 
 def run_length(full: int, least: int = 1) -> int:

@@ -55,6 +55,21 @@ def test_store_kv_reads_strided_k_and_v() -> None:
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
+def test_store_kv_takes_any_row_layout() -> None:
+    """k with its heads apart (a head-major buffer), v with strides of its own, caches whose blocks
+    are padded apart (a view): none of the layouts the kernel simplifies for."""
+    padded = torch.zeros(2, 4, 8 + 2, 3, 16, device=DEVICE)
+    k_cache, v_cache = padded[0, :, :8], padded[1, :, :8]
+    generator = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 10, 16, generator=generator).to(DEVICE).transpose(0, 1)
+    v = torch.randn(10, 3, 16, generator=generator).to(DEVICE)
+    slots = torch.randperm(32, generator=generator)[:10].to(DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, expected_k, expected_v, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_blocks_copies_whole_blocks_and_nothing_else(dtype: torch.dtype) -> None:
     k_cache, v_cache = make_caches(10, 16, 2, 80, dtype)

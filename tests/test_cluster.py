@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import httpx
 import pytest
@@ -163,7 +164,7 @@ def replica_pid(replica: int) -> int:
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and title in open(f"/proc/{entry}/cmdline", "rb").read():
+            if entry.isdigit() and title in Path(f"/proc/{entry}/cmdline").read_bytes():
                 found.append(int(entry))
         except OSError:  # a process that ended while we looked
             pass

@@ -306,7 +306,7 @@ def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
     if policy == "adaptive":  # duels from the start
         policy = Adaptive(window=0.1)
     h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
-    run(h, run_length(4000))
+    run(h, run_length(4000, least=800))
     host = h.host
     assert host.num_offloaded and host.num_loaded and host.num_evicted, "the host tier was not exercised"
     assert h.kv.num_swapped_out_blocks and h.restored, "no swapped-out sequence came back whole"

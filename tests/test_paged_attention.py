@@ -90,6 +90,7 @@ def assert_matches_reference(out: torch.Tensor, batch: Batch, scale: float | Non
         (32, 4, 96, torch.float32),
         (128, 1, 80, torch.bfloat16),
         (16, 8, 64, torch.float16),
+        (8, 3, 48, torch.float32),  # a group and a head size that need padding
     ],
 )
 def test_mixed_ragged_batch_matches_reference(
@@ -154,9 +155,12 @@ def test_calls_from_several_threads_at_once_match_reference() -> None:
         assert_matches_reference(out, batch)
 
 
-def test_writes_into_out_and_applies_scale() -> None:
+@pytest.mark.parametrize("like_q", [True, False])
+def test_writes_into_out_and_applies_scale(like_q: bool) -> None:
     batch = make_batch(MIXED[:4], dtype=torch.float16)
-    out = torch.empty_like(batch.q)
+    t, h, d = batch.q.shape
+    # out with q's strides, or a view whose rows have strides of their own
+    out = torch.empty_like(batch.q) if like_q else torch.empty(t, h, d + 8, dtype=torch.float16)[:, :, :d]
     assert paged_attention(*batch, scale=0.3, out=out) is out
     assert_matches_reference(out, batch, scale=0.3)
 

@@ -108,7 +108,7 @@ def test_random_operations_keep_books_and_outputs(model_folders, seed, overlap):
     submitted: dict[str, tuple[list[int], object]] = {}
     aborted: set[str] = set()
     faults = 0
-    steps = run_length(2000)
+    steps = run_length(2000, least=400)
     for _ in range(steps):
         op = rng.random()
         live = [r for r in submitted if r not in aborted and not engine.is_finished(r)]
