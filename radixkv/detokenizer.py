@@ -14,11 +14,12 @@ is found and never emitted. Once one is found, the text ends just before it.
 
 Who detokenizes, and when. The two tokenizer decodes of a push cost about 8 us, 2 ms of a
 256-sequence decode step (`radixkv bench engine`), so the engine's step pushes only sequences with
-stop strings (it must, to end them at the right token). Every other sequence is detokenized where
-its text is read (`catch_up`), as in vLLM and SGLang, whose steps append token ids and leave the
-text to the output side: stream deltas, a finished request's output, the async engine's caller.
-Pushing the same tokens late gives the same pieces as pushing them at once, since a push depends
-on the token ids alone.
+stop strings (it must, to end them at the right token); with the core in its own process, the
+front end pushes them as each step's tokens arrive (`push_to_stop`) and the core never decodes.
+Every other sequence is detokenized where its text is read (`catch_up`), as in vLLM and SGLang,
+whose steps append token ids and leave the text to the output side: stream deltas, a finished
+request's output, the async engine's caller. Pushing the same tokens late gives the same pieces
+as pushing them at once, since a push depends on the token ids alone.
 """
 
 from __future__ import annotations
@@ -72,6 +73,20 @@ class IncrementalDetokenizer:
         end = len(ids) if end is None else end
         for n in range(self._start + len(self.pieces) + 1, end + 1):
             self.push(ids, n)
+
+    def push_to_stop(self, ids: list[int]) -> int | None:
+        """Pushes the tokens of `ids` not pushed yet, one at a time, up to the first whose text
+        completes a stop string; returns how many tokens `ids` then has up to and including that
+        one, or None when none did (all pushed) or one had already. The front end of a core in its
+        own process finds stop strings this way, in the tokens each step sends
+        (`radixkv.engine_process`)."""
+        if self.stopped:
+            return None
+        for n in range(self._start + len(self.pieces) + 1, len(ids) + 1):
+            self.push(ids, n)
+            if self.stopped:
+                return n
+        return None
 
     def finish(self, ids: list[int]) -> None:
         """The sequence ended, all of `ids` pushed: releases what was held back (an incomplete

@@ -151,6 +151,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # submitted and not yet handed back
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._stops: deque[tuple[str, int]] = deque()
         self._closed_sessions: deque[str] = deque()
         self._lock = threading.RLock()  # the step lock
         self._submit_lock = threading.Lock()  # makes a request id's check and claim one act; never held long
@@ -256,9 +257,17 @@ class EngineCore:
         returns; without, the next step does it. Unknown or finished requests are ignored."""
         self._queue(self._aborts, request_id, wait)
 
-    def _queue(self, queue: deque[str], item: str, wait: bool) -> None:
-        """Queues an abort or a session close for the next drain: at once, under the step lock,
-        with `wait`; else the next step does it (`on_submit` wakes an idle loop)."""
+    def stop_sample(self, request_id: str, index: int, *, wait: bool = True) -> None:
+        """A stop string found outside the core (the front end of a core in its own process,
+        which detokenizes) ended sample `index` of a sampling request: the sample finishes with
+        finish_reason "stop" at its next token, and the request at once, its computed KV cached,
+        once every sample still running has been stopped so. `wait` as in `abort`. Unknown or
+        finished requests and samples are ignored."""
+        self._queue(self._stops, (request_id, index), wait)
+
+    def _queue(self, queue: deque, item: Any, wait: bool) -> None:
+        """Queues an abort, a stop or a session close for the next drain: at once, under the step
+        lock, with `wait`; else the next step does it (`on_submit` wakes an idle loop)."""
         queue.append(item)
         if wait:
             with self._lock:
@@ -339,7 +348,7 @@ class EngineCore:
         """Whether a step would do anything: requests queued, waiting or running, aborts or
         sessions to close."""
         in_flight = self._overlap is not None and self._overlap.in_flight is not None
-        queued = self._inbox or self._aborts or self._closed_sessions
+        queued = self._inbox or self._aborts or self._stops or self._closed_sessions
         return bool(queued or self.scheduler.has_work() or in_flight)
 
     def has_unfinished_requests(self) -> bool:
@@ -422,27 +431,40 @@ class EngineCore:
     # ---------------------------------------------------------------- internals
 
     def _drain(self) -> list[Request]:
-        """Applies queued submissions, then queued aborts, then sessions closed; returns the
-        requests aborted."""
+        """Applies queued submissions, then queued aborts and stops, then sessions closed;
+        returns the requests they ended."""
         while self._inbox:
             self.scheduler.add(self._inbox.popleft())
         ended = []
         while self._aborts:
             request = self._requests.get(self._aborts.popleft())
-            if request is None or request.status is Status.FINISHED:
+            if request is not None and request.status is not Status.FINISHED:
+                ended.append(self._end_now(request, "abort"))
+        while self._stops:
+            request_id, index = self._stops.popleft()
+            request = self._requests.get(request_id)
+            if request is None or request.status is Status.FINISHED or request.is_beam_search:
                 continue
-            for seq in request.seqs:  # all but the slots of a step in flight are computed
-                if seq.table is not None:
-                    self.kv.cache_finished(seq.table, seq.tokens, seq.num_computed)
-            self.scheduler.remove(request)
-            if not request.is_beam_search:
-                for seq in request.seqs:
-                    request.finish_seq(seq, "abort")
-            self._end(request)
-            ended.append(request)
+            for seq in request.seqs:
+                seq.stop_requested |= seq.index == index
+            if request.seqs and all(seq.stop_requested for seq in request.seqs):
+                ended.append(self._end_now(request, "stop"))
         while self._closed_sessions:
             self.kv.close_session(self._closed_sessions.popleft())
         return ended
+
+    def _end_now(self, request: Request, reason: str) -> Request:
+        """Ends a request wherever it is: its computed KV cached, its tables and locks released,
+        its unfinished samples ending with `reason` (an ended beam search keeps no beams)."""
+        for seq in request.seqs:  # all but the slots of a step in flight are computed
+            if seq.table is not None:
+                self.kv.cache_finished(seq.table, seq.tokens, seq.num_computed)
+        self.scheduler.remove(request)
+        if not request.is_beam_search:
+            for seq in request.seqs:
+                request.finish_seq(seq, reason)
+        self._end(request)
+        return request
 
     def _step_requests(self, batch: list[ScheduledSeq]) -> list[Request]:
         """The requests a failed step touched: its batch's, or, when scheduling itself failed,

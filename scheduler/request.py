@@ -52,6 +52,7 @@ class Sequence:
     token_logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for
     ahead: int = 0  # slots of its table that steps in flight (overlap) have not computed yet
     grammar: Any = None  # structured output's matcher (an llguidance LLMatcher), in the sampler's process
+    stop_requested: bool = False  # a stop string the front end found: finish "stop" at the next token
 
     def fork(self, table: BlockTable, index: int, generator: torch.Generator | None) -> Sequence:
         """Sample `index` of the same prompt, before any token is generated: shares the KV."""

@@ -504,6 +504,7 @@ class Scheduler:
             or (token in self.eos and not params.ignore_eos)
             or stop_string
             or grammar_done
+            or seq.stop_requested
         ):
             seq.finish_reason = "stop"
         elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:

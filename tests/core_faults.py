@@ -57,3 +57,13 @@ def slow_forward(core) -> None:
         return real(batch)
 
     core.runner.forward = forward
+
+
+def forbid_decoding(core) -> None:
+    """The core's tokenizer decode raises: a core that detokenized (to find stop strings, say)
+    would fail its requests. The front end finds stop strings itself."""
+
+    def decode(ids):
+        raise AssertionError("the engine core decoded tokens")
+
+    core.inputs.decode = decode

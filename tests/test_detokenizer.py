@@ -63,6 +63,26 @@ def test_stop_strings_split_across_tokens_are_found_and_cut(text, stop, expected
     assert detok.stopped == (expected != text)
 
 
+@pytest.mark.parametrize("arrivals", [[19], [3, 5, 11], [1] * 19])
+def test_tokens_pushed_as_they_arrive_stop_at_the_token_that_completes_the_stop_string(arrivals):
+    """`push_to_stop` (the front end's, tokens coming a step's worth at a time) ends where pushing
+    one token at a time does: at the token that completes the stop string, which spans a
+    multi-byte character here."""
+    prompt = TOKENIZER.encode("a prompt")
+    text = TOKENIZER.encode("price: 5€ total, then more")
+    one_by_one = run(text, ("€ t",), prompt)
+    detok = IncrementalDetokenizer(decode, ("€ t",), start=len(prompt))
+    tokens, stopped_at = list(prompt), None
+    for count in arrivals:
+        tokens.extend(text[len(tokens) - len(prompt) :][:count])
+        stopped_at = detok.push_to_stop(tokens)
+        if stopped_at is not None:
+            break
+    assert stopped_at - len(prompt) == len(one_by_one.pieces) == len(TOKENIZER.encode("price: 5€ t"))
+    assert detok.text == one_by_one.text == "price: 5"
+    assert detok.push_to_stop(tokens) is None  # stopped already: nothing more to find
+
+
 def test_text_that_may_start_a_stop_string_is_held_back_until_settled():
     detok = IncrementalDetokenizer(decode, ("STOP",))
     tokens: list[int] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 import httpx
 import msgspec
 import pytest
-from core_faults import POISON
+from core_faults import POISON, forbid_decoding
 from test_server import serve
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
@@ -121,6 +122,63 @@ def test_outputs_equal_the_in_process_engine(model_folders):
             assert metrics["prefix_cache_hits"] > 0 and metrics["running"] == 0
             assert "radixkv_kv_cache_usage" in engine.metrics_text()
             engine.check_invariants()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def stop_strings_in(texts: list[str], at: int) -> list[str]:
+    """A two-character stop string from each text, starting at character `at` or after it (a
+    character the byte tokenizer's random bytes made whole, not U+FFFD)."""
+    stops = []
+    for text in texts:
+        i = at
+        while "\ufffd" in text[i : i + 2]:
+            i += 1
+        assert len(text[i : i + 2]) == 2, f"no whole two characters in {text!r} from {at}"
+        stops.append(text[i : i + 2])
+    return stops
+
+
+def test_stop_strings_are_found_by_the_front_end_and_the_core_stops_the_sample(model_folders):
+    """The core never decodes (its decode raises here): the front end finds each sample's stop
+    string in the tokens the core streams and ends the sample there, as the in-process engine
+    does (tokens, text, logprobs, finish reasons), and the core stops the sample: a request of
+    120 tokens whose samples all stopped early ends within a few steps, and its id is free at once."""
+    config = EngineConfig(model=str(model_folders["llama"]), **KW)
+    sync = Engine(config)
+    free = SamplingParams(max_tokens=40, temperature=1.0, seed=5, n=3, ignore_eos=True, logprobs=1)
+    texts = [s.text for s in sync.generate([[3, 1, 4]], free)[0].samples]
+    some = dataclasses.replace(free, stop=stop_strings_in(texts[:2], 6))  # sample 2 may run on
+    every = dataclasses.replace(free, max_tokens=120, stop=stop_strings_in(texts, 3))
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    greedy = dataclasses.replace(greedy, stop=stop_strings_in([sync.generate([[2, 7]], GREEDY)[0].text], 2))
+    want_some, want_every, want_greedy = (sync.generate([p], params)[0] for p, params in (
+        ([3, 1, 4], some), ([3, 1, 4], every), ([2, 7], greedy)))
+    want_stream = [(d.token_id, d.text, d.finish_reason) for d in sync.stream([2, 7], greedy)]
+
+    def samples(out) -> list[tuple]:
+        """Each sample's tokens, text, finish reason and logprob records' tokens (their values
+        depend on what the cache held, which differs between the two engines' runs)."""
+        return [(s.token_ids, s.text, s.finish_reason, [r.token_id for r in s.logprobs or ()])
+                for s in out.samples]
+
+    async def main() -> None:
+        engine = AsyncEngine(config, core_setup=forbid_decoding)
+        try:
+            assert samples(await engine.generate([3, 1, 4], some)) == samples(want_some)
+            assert [s.finish_reason for s in want_some.samples][:2] == ["stop", "stop"]
+            for params, want in ((every, want_every), (greedy, want_greedy)):
+                steps = engine.core.num_steps
+                assert samples(await engine.generate([3, 1, 4] if params is every else [2, 7], params,
+                                                     request_id="again")) == samples(want)
+                assert {s.finish_reason for s in want.samples} == {"stop"}
+                assert engine.core.num_steps - steps < 40  # of 120: the core stopped every sample
+            stream = [(d.token_id, d.text, d.finish_reason) async for d in engine.stream([2, 7], greedy)]
+            assert stream == want_stream
+            engine.check_invariants()
+            assert engine.metrics()["running"] == 0
         finally:
             await engine.shutdown()
 

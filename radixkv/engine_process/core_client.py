@@ -7,6 +7,16 @@ applies it to the front end's copies of the requests (their sequences' tokens, l
 finish reasons) and hands the requests it touched to `on_update`, as a stepping thread would.
 Texts are made from those copies where they are read (`radixkv.output_processor`).
 
+Stop strings are found here, not in the core, as vLLM's front end finds them: a request with
+stop strings goes to the core without them, streamed step by step, and each step's tokens are
+pushed through the copy's detokenizer as they arrive. A sample whose text completes a stop
+string ends here at that token (its tokens, logprob records and text cut there, finish_reason
+"stop"), and a `StopSample` tells the core, which stops it at its next token; the tokens the
+core made past the stop are dropped. Once every sample has stopped so, the request ends here at
+once. The core ends it too as soon as the last `StopSample` comes, before it reads the next
+message, so a new request may take the id at once; what the core still sends of the old one is
+dropped here, up to its end.
+
 Watching the core. The reader thread also polls the process's liveness (`PARENT_CHECK_S`
 apart at most, and at once when it exits): when the core dies (a crash, SIGKILL, the OOM
 killer) or reports `Fatal`, `on_dead` gets an `EngineDeadError` once, every later call raises
@@ -16,6 +26,7 @@ flight and fail with EngineDeadError if the core dies meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pickle
@@ -45,6 +56,7 @@ from radixkv.engine_process.messages import (
     RequestUpdate,
     Shutdown,
     StepOutput,
+    StopSample,
     pack_ids,
     unpack_ids,
 )
@@ -54,6 +66,7 @@ from radixkv.model.loader import load_tokenizer
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.output_processor import result_of, stream_deltas
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
+from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.structured.grammar import GrammarCompiler
 
@@ -86,6 +99,7 @@ class CoreClient:
         self.running_seqs = 0
         self.num_steps = 0
         self._requests: dict[str, Request] = {}  # the front end's copies, submitted and not yet taken
+        self._ending: set[str] = set()  # requests ended here whose end has not come from the core yet
         self._send_lock = threading.Lock()
         self._control_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
@@ -167,17 +181,21 @@ class CoreClient:
         return self.inputs.make_request(prompt, params, request_id, in_use=self._requests, **kw)
 
     def submit(self, requests: list[Request], stream: bool = False) -> list[str]:
-        """Sends the requests to the core; `stream` asks for their tokens step by step."""
+        """Sends the requests to the core; `stream` asks for their tokens step by step (and
+        stop strings do, which the core never sees)."""
         self._check_alive()
         taken = next((r.request_id for r in requests if r.request_id in self._requests), None)
         if taken is not None:
             raise ValueError(f"request_id {taken!r} is already in use")
         messages = []
         for r in requests:
+            params, stops = r.params, isinstance(r.params, SamplingParams) and bool(r.params.stop)
+            if stops:
+                params = dataclasses.replace(params, stop=[])
             messages.append(
-                AddRequest(r.request_id, pack_ids(r.prompt_ids), pickle.dumps(r.params),
+                AddRequest(r.request_id, pack_ids(r.prompt_ids), pickle.dumps(params),
                            "beam_search" if r.is_beam_search else "stream" if stream else "generate",
-                           stream, r.arrival_time, r.session_id, r.cache_salt)
+                           stream or stops, r.arrival_time, r.session_id, r.cache_salt)
             )
             self._requests[r.request_id] = r
         for message in messages:
@@ -324,6 +342,10 @@ class CoreClient:
         self.num_steps = message.num_steps
         touched = []
         for update in message.updates:
+            if update.request_id in self._ending:  # news of a request ended here, all past its end
+                if update.done is not None:
+                    self._ending.discard(update.request_id)
+                continue
             request = self._requests.get(update.request_id)
             if request is not None and request.status is not Status.FINISHED:
                 self._apply(request, update)
@@ -332,23 +354,36 @@ class CoreClient:
             self.on_update(touched)
 
     def _apply(self, request: Request, update: RequestUpdate) -> None:
-        """Brings the front end's copy up to the core's: tokens appended (a reader sees a length
-        only after its tokens), finish reasons, scores and times at the end."""
+        """Brings the front end's copy up to the core's: tokens appended and, with stop strings,
+        pushed (a reader sees a length only after its tokens), finish reasons, scores and times
+        at the end; a request whose samples all stopped here ends here."""
         if update.num_cached_tokens is not None:
             request.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             request.prompt_logprobs = update.prompt_logprobs
         done = update.done
+        stops = not request.is_beam_search and bool(request.params.stop)
         finished = []
         for s in update.seqs:
             seq = self._seq(request, s.index, fresh=done is not None and request.is_beam_search)
+            if seq.finish_reason == "stop" and stops:  # stopped here: the core's tokens run past it
+                finished.append(seq)
+                continue
             seq.tokens.extend(unpack_ids(s.tokens))
             if s.logprobs is not None and seq.token_logprobs is not None:
                 seq.token_logprobs.extend(s.logprobs)
             if done is not None:
                 seq.finish_reason, seq.score = s.finish_reason, s.score
                 finished.append(seq)
+            if stops and self._stop_here(request, seq) and done is None:
+                self._send(StopSample(request.request_id, seq.index))
+        if request.first_token_time is None and update.seqs:
+            request.first_token_time = time.perf_counter()  # the core's own time comes with its end
         if done is None:
+            if stops and not request.seqs and len(request.finished_seqs) == request.params.n:
+                request.finish_time = time.perf_counter()
+                request.status = Status.FINISHED
+                self._ending.add(request.request_id)
             return
         request.first_token_time = done.first_token_time
         request.finish_time = done.finish_time
@@ -359,15 +394,32 @@ class CoreClient:
         request.status = Status.FINISHED
 
     @staticmethod
+    def _stop_here(request: Request, seq: Sequence) -> bool:
+        """Pushes `seq`'s new tokens through its detokenizer; if one completes a stop string,
+        cuts the sequence after it and finishes it ("stop"; out of `request.seqs` while running)."""
+        end = seq.detok.push_to_stop(seq.tokens)
+        if end is None:
+            return False
+        del seq.tokens[end:]
+        if seq.token_logprobs is not None:
+            del seq.token_logprobs[end - seq.num_prompt_tokens :]
+        if seq in request.seqs:
+            request.seqs.remove(seq)
+            request.finish_seq(seq, "stop")
+        else:
+            seq.finish_reason = "stop"
+        return True
+
+    @staticmethod
     def _seq(request: Request, index: int, fresh: bool) -> Sequence:
-        """The copy's sequence `index` (sample `index` of n, made at its first news), or a new one
-        for a finished beam."""
-        first = request.seqs[0]
+        """The copy's sequence `index` (sample `index` of n, made at its first news; one stopped
+        here stays among the finished), or a new one for a finished beam."""
         if fresh:
             return Sequence(list(request.prompt_ids), len(request.prompt_ids))
-        for seq in request.seqs:
+        for seq in (*request.seqs, *request.finished_seqs):
             if seq.index == index:
                 return seq
+        first = (request.seqs or request.finished_seqs)[0]
         seq = Sequence(
             list(request.prompt_ids), len(request.prompt_ids), index=index,
             detok=first.detok.fork() if first.detok is not None else None,

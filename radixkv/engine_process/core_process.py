@@ -43,6 +43,7 @@ from radixkv.engine_process.messages import (
     SeqUpdate,
     Shutdown,
     StepOutput,
+    StopSample,
     ToCore,
     pack_ids,
 )
@@ -201,6 +202,11 @@ class CoreProcess:
             elif isinstance(message, Abort):
                 for request_id in message.request_ids:
                     self.core.abort(request_id, wait=False)
+            elif isinstance(message, StopSample):
+                # At once, and its end sent: the front end has ended the request, and the next
+                # message may be a new request with its id.
+                self.core.stop_sample(message.request_id, message.index)
+                self._flush()
             elif isinstance(message, CloseSession):
                 self.core.close_session(message.session_id, wait=False)
             elif isinstance(message, Shutdown):

@@ -4,7 +4,8 @@ Compact by design: positional (`array_like`) structs, token ids as raw int32 byt
 lists of objects, and one `StepOutput` per engine step carrying every request's news. Params
 travel pickled (small, and rich in types a schema would have to repeat).
 
-Front end to core, on one PUSH/PULL pair: `AddRequest`, `Abort`, `CloseSession`, `Shutdown`.
+Front end to core, on one PUSH/PULL pair: `AddRequest`, `Abort`, `StopSample`, `CloseSession`,
+`Shutdown`.
 Core to front end, on another: `Ready` once the core is built (or `Fatal` if it could not be,
 or its loop broke), then one `StepOutput` per step. Control calls (`ControlCall`, answered by
 `ControlReply`) use a REQ/REP pair of their own, answered between two steps.
@@ -21,8 +22,9 @@ from radixkv.outputs import TokenLogprob
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     """A request the front end validated. `call` is the API that made it (`generate`, `stream`,
-    `beam_search`); `stream` asks for its tokens step by step rather than at its end;
-    `arrival_time` is the front end's `time.perf_counter()` (system-wide on Linux)."""
+    `beam_search`); `stream` asks for its tokens step by step rather than at its end (the front
+    end asks it for every request with stop strings, which it finds itself: its params come
+    without them); `arrival_time` is the front end's `time.perf_counter()` (system-wide on Linux)."""
 
     request_id: str
     prompt: bytes  # int32 token ids
@@ -38,6 +40,13 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class StopSample(msgspec.Struct, tag=True, array_like=True):
+    """The front end found a stop string in sample `index` of a request (`EngineCore.stop_sample`)."""
+
+    request_id: str
+    index: int
+
+
 class CloseSession(msgspec.Struct, tag=True, array_like=True):
     session_id: str
 
@@ -46,7 +55,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort what runs, close the core (its store written, its workers stopped) and exit."""
 
 
-ToCore = AddRequest | Abort | CloseSession | Shutdown
+ToCore = AddRequest | Abort | StopSample | CloseSession | Shutdown
 
 
 class SeqUpdate(msgspec.Struct, array_like=True):
