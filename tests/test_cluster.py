@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 
 from radixkv.cluster.asgi_call import Forwarded  # noqa: E402
 from radixkv.cluster.deployment import build_application  # noqa: E402
+from radixkv.cluster.launch import init_local_ray  # noqa: E402
 from radixkv.cluster.router_service import REPLICA_HEADER  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
 
@@ -32,7 +33,7 @@ IDLE_S = 2.0  # the replicas' session idle timeout
 
 @pytest.fixture(scope="module")
 def base_url():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -20,6 +20,12 @@ import threading
 
 from radixkv.router import ROUTERS
 
+PROXY_READY_CHECK_TIMEOUT_S = 60
+"""Ray Serve gives a new HTTP proxy 5 s to answer its first ready check, then kills it and starts
+another, and `serve.start` fails on the first one's death. A busy machine takes longer than that to
+start a Ray worker (seen with both cores of the development machine busy), so a local Ray
+instance started here allows a minute unless `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S` says."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("replicas (needs the `cluster` extra: ray[serve])")
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False)
+        init_local_ray(max(os.cpu_count() or 1, args.replicas + 1))
     gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
     if 0 < gpus < 1:  # replicas share a device: each sizes its KV cache from its own part
         config = dataclasses.replace(config, gpu_memory_share=gpus)
@@ -78,3 +84,12 @@ def run(args: argparse.Namespace) -> int:
         serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def init_local_ray(num_cpus: int, **kwargs) -> None:
+    """Starts a local Ray instance of `num_cpus` CPUs whose Serve proxy may take
+    `PROXY_READY_CHECK_TIMEOUT_S` to start; `kwargs` go to `ray.init`."""
+    import ray
+
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
