@@ -345,7 +345,7 @@ class EngineCore:
         self.close()
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: requests queued, waiting or running, aborts or
+        """Whether a step would do anything: requests queued, waiting or running, aborts, stops or
         sessions to close."""
         in_flight = self._overlap is not None and self._overlap.in_flight is not None
         queued = self._inbox or self._aborts or self._stops or self._closed_sessions
@@ -449,6 +449,7 @@ class EngineCore:
                 seq.stop_requested |= seq.index == index
             if request.seqs and all(seq.stop_requested for seq in request.seqs):
                 ended.append(self._end_now(request, "stop"))
+                self.stats.observe([request])  # finished, as a step's own are (an abort is not)
         while self._closed_sessions:
             self.kv.close_session(self._closed_sessions.popleft())
         return ended

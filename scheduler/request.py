@@ -70,9 +70,10 @@ class Sequence:
     def text_pieces(self, end: int | None = None) -> list[str]:
         """One piece of text per generated token of `tokens[:end]` (all by default; [] without a
         tokenizer), detokenizing now what the step left (only sequences with stop strings are
-        detokenized in the step; see `radixkv.detokenizer`). Once the sequence has finished other
-        than by abort, the last piece also carries the text held back; an aborted text ends at
-        what its tokens released.
+        detokenized in the step, or by the front end's reader thread for a core in its own
+        process; see `radixkv.detokenizer`). Once the sequence has finished other than by
+        abort, the last piece also carries the text held back; an aborted text ends at what its
+        tokens released.
 
         Threads: call it for a finished sequence, under the step lock, or from the one reader of
         a running sequence with an `end` that a step has published (a step appends a token, and

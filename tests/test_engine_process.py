@@ -178,7 +178,10 @@ def test_stop_strings_are_found_by_the_front_end_and_the_core_stops_the_sample(m
             stream = [(d.token_id, d.text, d.finish_reason) async for d in engine.stream([2, 7], greedy)]
             assert stream == want_stream
             engine.check_invariants()
-            assert engine.metrics()["running"] == 0
+            metrics = engine.metrics()
+            assert metrics["running"] == 0
+            # Each of the four requests is in the latency histograms, however the core ended it.
+            assert metrics["e2e_request_latency_seconds"]["count"] == 4
         finally:
             await engine.shutdown()
 

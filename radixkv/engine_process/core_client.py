@@ -26,6 +26,7 @@ flight and fail with EngineDeadError if the core dies meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -226,12 +227,14 @@ class CoreClient:
     def decode(self, ids: list[int]) -> str:
         return self.inputs.decode(ids)
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: Any, block: bool = True) -> None:
+        """Sends to the core. The reader thread sends with `block` False: a dead core's socket has
+        no peer, and a blocking send would then wait forever, before the reader sees the death."""
         if self._dead is not None or self._closing:
             return  # nothing to stop any more; callers learn of the death through their requests
         data = self._encoder.encode(message)
-        with self._send_lock:
-            self._to_core.send(data, copy=False)
+        with self._send_lock, contextlib.suppress(zmq.Again):  # Again: no core; the reader finds its death
+            self._to_core.send(data, 0 if block else zmq.NOBLOCK, copy=False)
 
     # -------------------------------------------------------------- control
 
@@ -376,9 +379,11 @@ class CoreClient:
                 seq.finish_reason, seq.score = s.finish_reason, s.score
                 finished.append(seq)
             if stops and self._stop_here(request, seq) and done is None:
-                self._send(StopSample(request.request_id, seq.index))
+                self._send(StopSample(request.request_id, seq.index), block=False)
         if request.first_token_time is None and update.seqs:
-            request.first_token_time = time.perf_counter()  # the core's own time comes with its end
+            # Kept only by a request that ends here (its times are then this process's, when the
+            # tokens arrived); the core's own times come with an end the core sends.
+            request.first_token_time = time.perf_counter()
         if done is None:
             if stops and not request.seqs and len(request.finished_seqs) == request.params.n:
                 request.finish_time = time.perf_counter()
@@ -403,11 +408,8 @@ class CoreClient:
         del seq.tokens[end:]
         if seq.token_logprobs is not None:
             del seq.token_logprobs[end - seq.num_prompt_tokens :]
-        if seq in request.seqs:
-            request.seqs.remove(seq)
-            request.finish_seq(seq, "stop")
-        else:
-            seq.finish_reason = "stop"
+        request.seqs.remove(seq)
+        request.finish_seq(seq, "stop")
         return True
 
     @staticmethod

@@ -1,7 +1,8 @@
 """The engine core's process: builds the `EngineCore` and steps it, fed by the front end.
 
-The loop: take every queued message (requests, aborts, session closes, control calls), step
-once if there is work, and send one `StepOutput` with what the step changed; with no work it
+The loop: take every queued message (requests, aborts, stops, session closes, control calls),
+step once if there is work, and send one `StepOutput` with what the step changed (a `StopSample`
+that ends its request sends one at once, before the next message is read); with no work it
 sleeps in `poll` (no CPU used), waking for a message or every `PARENT_CHECK_S` to see that its
 front end still lives. A request that fails to build here (it passed the front end's checks, so
 only a bug or a reused id does that) ends at once with its error; a step's failure is contained

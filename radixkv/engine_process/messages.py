@@ -1,7 +1,8 @@
 """The messages between the front end and the engine core process (msgspec, MessagePack).
 
 Compact by design: positional (`array_like`) structs, token ids as raw int32 bytes rather than
-lists of objects, and one `StepOutput` per engine step carrying every request's news. Params
+lists of objects, and one `StepOutput` per engine step carrying every request's news (and one
+for a request that a `StopSample` ended between steps). Params
 travel pickled (small, and rich in types a schema would have to repeat).
 
 Front end to core, on one PUSH/PULL pair: `AddRequest`, `Abort`, `StopSample`, `CloseSession`,
@@ -92,7 +93,8 @@ class RequestUpdate(msgspec.Struct, array_like=True):
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True):
-    """What one step changed; `running_seqs` is the scheduler's count after it."""
+    """What one step changed (or a stop between steps); `running_seqs` is the scheduler's count
+    after it."""
 
     updates: list[RequestUpdate]
     running_seqs: int
