@@ -23,12 +23,19 @@ For each N (`--streams`, default 16, 32, 128, 256) and mode, in a fresh server:
 The clients run in this process, the server in a child: the clients' own work never takes the
 server's lock. Step times come from the child (`time.monotonic`, shared by both processes on
 Linux), written to a file as each step ends, by whichever process steps.
+
+`--engine-cpus` pins the process that holds the core (the core's own, or the server's when the
+core runs in it) to those CPUs, and the clients and a core's front end to the others. On a
+machine with few cores, processes otherwise compete for cores rather than for the interpreter
+lock, which is what the two modes differ in: on a GPU host the core's process has a core of its
+own. Either mode gets the whole machine, the clients always the CPUs the engine does not have.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -61,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode", choices=sorted(MODES), action="append",
         help="where the engine core runs (repeatable; default both, alternating)",
     )
+    parser.add_argument(
+        "--engine-cpus", type=_cpu_list, default=None,
+        help="pin the core's process to these CPUs (a comma list), everything else to the others",
+    )
     parser.add_argument("--json", action="store_true", help="print only a JSON object")
 
 
@@ -69,20 +80,31 @@ def run(args: argparse.Namespace) -> int:
     if min(streams) < 1 or args.tokens < 8 or args.device_ms < 0:
         raise ValueError("--streams must be >= 1, --tokens >= 8 and --device-ms >= 0")
     modes = args.mode or list(MODES)
+    if args.engine_cpus:
+        allowed = os.sched_getaffinity(0)
+        if not args.engine_cpus < allowed:
+            raise ValueError(f"--engine-cpus must be some, not all, of CPUs {sorted(allowed)}")
+        pin_process(allowed - args.engine_cpus)  # the clients, and the children until they move
     cases = []
     for n in streams:
         for mode in modes:
-            case = measure(n, args.tokens, args.device_ms, MODES[mode])
+            case = measure(n, args.tokens, args.device_ms, MODES[mode], args.engine_cpus)
             cases.append(case)
             if not args.json:
                 print(format_case(case), flush=True)
     if args.json:
-        print(json.dumps({"device_ms": args.device_ms, "tokens": args.tokens, "cases": cases}, indent=2))
+        cpus = sorted(args.engine_cpus) if args.engine_cpus else None
+        report = {"device_ms": args.device_ms, "tokens": args.tokens, "engine_cpus": cpus, "cases": cases}
+        print(json.dumps(report, indent=2))
     return 0
 
 
-def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -> dict[str, Any]:
-    """One case in a fresh server child (see the module docstring)."""
+def measure(
+    streams: int, tokens: int, device_ms: float, engine_process: bool, engine_cpus: set[int] | None = None
+) -> dict[str, Any]:
+    """One case in a fresh server child (see the module docstring), whose engine is pinned to
+    `engine_cpus` when given; the clients run on this process's CPUs (`run` pins them to the
+    others)."""
     with tempfile.TemporaryDirectory() as folder:
         stats_path = Path(folder) / "stats.json"
         steps_path = Path(folder) / "steps.txt"
@@ -90,16 +112,18 @@ def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -
         child = subprocess.Popen(
             [sys.executable, "-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
              str(port), str(streams), str(tokens), str(device_ms), str(stats_path), str(steps_path),
-             str(int(engine_process))],
+             str(int(engine_process)), ",".join(map(str, sorted(engine_cpus or ())))],
             stdout=subprocess.DEVNULL,
         )
         try:
             clients = asyncio.run(_clients(port, streams, tokens, child))
+            server_cpus = sorted(os.sched_getaffinity(child.pid))
         finally:
             child.send_signal(signal.SIGTERM)
             child.wait(timeout=60)
         idle_start, idle_end = json.loads(stats_path.read_text())["idle_window"]
         all_steps = [float(line) for line in steps_path.read_text().split()]
+        engine_cpus_seen = json.loads(Path(f"{steps_path}.cpus").read_text())  # written by `stub_core`
     idle = _median_interval([t for t in all_steps if idle_start <= t <= idle_end][2:])  # decode steps
     start, end = clients["decode_window"]
     steps = [t for t in all_steps if start <= t <= end]
@@ -117,6 +141,8 @@ def measure(streams: int, tokens: int, device_ms: float, engine_process: bool) -
         "span_tok_s": clients["span_tok_s"],
         "span_period_ms": span_period * 1e3 if span_period else None,
         "steps_in_window": len(steps),
+        "engine_cpus": engine_cpus_seen,
+        "server_cpus": server_cpus,
     }
 
 
@@ -211,30 +237,40 @@ async def _probe_health(http: Any, done: asyncio.Event) -> list[float]:
 # ------------------------------------------------------------------------------- the server
 
 
-def stub_core(streams: int, device_s: float, steps_path: str, core: Any) -> None:
+def stub_core(streams: int, device_s: float, steps_path: str, cpus: set[int] | None, core: Any) -> None:
     """Fits the core with the stub model and a step clock (in whichever process holds it): each
     step's end is written to `steps_path`, a line as it ends. Torch gets one intra-op thread, as
     the host side of a GPU step needs no more: otherwise its idle OpenMP workers spin for the CPU
-    that the front end's threads want (in either mode)."""
+    that the front end's threads want (in either mode). With `cpus`, the process is pinned there."""
     import torch
 
     from radixkv.tools.bench_engine import StubModel
 
     torch.set_num_threads(1)
+    if cpus:
+        pin_process(cpus)
 
     runner = core.runner
     runner.model = stub = StubModel(core.vocab_size, streams * PROMPT_TOKENS, runner.device, device_s)
     stub.logits[..., STUB_TOKEN] += 1e3  # every row greedily picks it
     out = open(steps_path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-    core.step_hooks.append(lambda _core: out.write(f"{time.monotonic()}\n"))
+    cpus_path = Path(f"{steps_path}.cpus")
+
+    def clock(_core: Any) -> None:
+        out.write(f"{time.monotonic()}\n")
+        if not cpus_path.exists():  # the first step: where the stepping thread may run
+            cpus_path.write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+
+    core.step_hooks.append(clock)
 
 
 def stub_server() -> None:
     """The child's body: argv is port, streams, tokens, device ms, the stats and steps files'
-    paths, and 1 for a core in its own process."""
+    paths, 1 for a core in its own process, and the engine's CPUs (a comma list, or empty)."""
     port, streams, tokens = (int(a) for a in sys.argv[1:4])
     device_s, stats_path, steps_path = float(sys.argv[4]) / 1e3, Path(sys.argv[5]), sys.argv[6]
     engine_process = sys.argv[7] == "1"
+    cpus = _cpu_list(sys.argv[8]) if sys.argv[8] else None
     import uvicorn
 
     from radixkv.async_engine import AsyncEngine
@@ -244,8 +280,10 @@ def stub_server() -> None:
 
     context = PROMPT_TOKENS + tokens
     config = stub_config(streams, streams * PROMPT_TOKENS, streams * (-(-context // 16) + 1) * 2)
-    setup = functools.partial(stub_core, streams, device_s, steps_path)
+    setup = functools.partial(stub_core, streams, device_s, steps_path, cpus)
     engine = AsyncEngine(config, engine_process=engine_process, core_setup=setup)
+    # A front end keeps the clients' CPUs, which it inherited; an engine in process has moved this
+    # process to its own in `stub_core`.
 
     async def idle_run() -> None:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -264,6 +302,24 @@ def stub_server() -> None:
 
 
 # ----------------------------------------------------------------------------------- helpers
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Pins every thread of this process to `cpus` (threads and processes started later inherit
+    their starter's CPUs): `os.sched_setaffinity(0)` alone moves only the calling thread."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _cpu_list(text: str) -> set[int]:
+    try:
+        cpus = {int(c) for c in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of CPU numbers, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of CPU numbers, got {text!r}")
+    return cpus
 
 
 def _median_interval(times: list[float]) -> float | None:
