@@ -380,8 +380,8 @@ class CoreClient:
                 finished.append(seq)
             if stops and self._stop_here(request, seq) and done is None:
                 self._send(StopSample(request.request_id, seq.index), block=False)
-        if request.first_token_time is None and update.seqs:
-            # Kept only by a request that ends here (its times are then this process's, when the
+        if stops and request.first_token_time is None and update.seqs:
+            # Kept only if the request ends here (its times are then this process's, when the
             # tokens arrived); the core's own times come with an end the core sends.
             request.first_token_time = time.perf_counter()
         if done is None:

@@ -254,12 +254,14 @@ def stub_core(streams: int, device_s: float, steps_path: str, cpus: set[int] | N
     runner.model = stub = StubModel(core.vocab_size, streams * PROMPT_TOKENS, runner.device, device_s)
     stub.logits[..., STUB_TOKEN] += 1e3  # every row greedily picks it
     out = open(steps_path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
-    cpus_path = Path(f"{steps_path}.cpus")
+    seen = False
 
     def clock(_core: Any) -> None:
+        nonlocal seen
         out.write(f"{time.monotonic()}\n")
-        if not cpus_path.exists():  # the first step: where the stepping thread may run
-            cpus_path.write_text(json.dumps(sorted(os.sched_getaffinity(0))))
+        if not seen:  # the first step: where the stepping thread may run, seen from inside it
+            seen = True
+            Path(f"{steps_path}.cpus").write_text(json.dumps(sorted(os.sched_getaffinity(0))))
 
     core.step_hooks.append(clock)
 
