@@ -15,9 +15,9 @@ idle) and wakes when a request or an abort is queued. It steps while there is wo
 submitted meanwhile join the next step, and a submitter never waits for the step in flight
 (validation runs in the caller, the core's inbox is lock-free for it). Each request has a
 handle: the loop thread hands a step's progress (how many tokens a stream has, or the finished
-request) to the request's asyncio loop with `call_soon_threadsafe`; nothing else crosses threads.
-The caller's coroutine makes the deltas and the result from it, detokenizing there, so the text
-costs the step lock nothing.
+request) to the request's asyncio loop with `call_soon_threadsafe`, one callback per loop and
+step; nothing else crosses threads. The caller's coroutine makes the deltas and the result from
+it, detokenizing there, so the text costs the step lock nothing.
 
 Every exit path of a caller ends its request: a cancelled `generate`/`beam_search` task and a
 `stream` that is closed early, garbage-collected or broken out of abort it (`abort` only queues;
@@ -303,7 +303,9 @@ class AsyncEngine:
         """In the loop thread, under the step lock: posts each request's news to its caller,
         as token counts and finished requests; the caller's coroutine makes the text. A stream's
         last item is its finished `_Progress`, posted even with no new token (an abort), so that
-        its last delta carries the finish reason; a failed stream gets its RequestError."""
+        its last delta carries the finish reason; a failed stream gets its RequestError. The
+        news of one call goes to each event loop in one callback (`_post_all`)."""
+        posts: list[tuple[_Handle, Any]] = []
         for request in requests:
             handle = self._handles.get(request.request_id)
             finished = request.status is Status.FINISHED
@@ -312,7 +314,7 @@ class AsyncEngine:
                 end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
                 if end > handle.published or finished:
                     handle.published = end
-                    self._post(handle, _Progress(end, finished))
+                    posts.append((handle, _Progress(end, finished)))
             if not finished:
                 continue
             try:
@@ -322,10 +324,26 @@ class AsyncEngine:
             if handle is not None:
                 handle.done = True
                 if not streamed:
-                    self._post(handle, result)
+                    posts.append((handle, result))
+        self._post_all(posts)
 
     def _post(self, handle: _Handle, item: Any) -> None:
-        try:
-            handle.loop.call_soon_threadsafe(handle.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
-            self.core.abort(handle.request.request_id, wait=False)
+        self._post_all([(handle, item)])
+
+    def _post_all(self, posts: list[tuple[_Handle, Any]]) -> None:
+        """Puts each item in its handle's queue, one thread-safe callback per event loop: a step
+        wakes a loop once, however many of its streams it served."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, Any]]] = {}
+        for handle, item in posts:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
+                for handle, _ in items:
+                    self.core.abort(handle.request.request_id, wait=False)
+
+
+def _deliver(items: list[tuple[_Handle, Any]]) -> None:
+    for handle, item in items:
+        handle.queue.put_nowait(item)

@@ -183,8 +183,8 @@ def test_an_aborted_async_chat_turn_records_finish_reason_abort(model_folders, m
 
 def test_an_sse_stream_aborted_by_the_engine_ends_with_an_abort_chunk(model_folders):
     """The closing delta becomes a chunk with the finish reason and no text, and counts no
-    token: with logprobs every token has its own chunk, so `completion_tokens` is checked
-    against the chunks that carry one."""
+    token: with logprobs every chunk lists its tokens, so `completion_tokens` is checked
+    against the tokens the chunks carry."""
     import httpx
     import openai
 

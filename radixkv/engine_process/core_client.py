@@ -74,6 +74,7 @@ from radixkv.structured.grammar import GrammarCompiler
 STARTUP_TIMEOUT_S = 600.0  # building the core loads the model (and profiles memory on a GPU)
 CONTROL_TIMEOUT_S = 300.0  # a control call waits for the step in flight, however slow
 SHUTDOWN_TIMEOUT_S = 60.0  # the core writes its KV store out and stops its workers
+MAX_MESSAGES_AT_ONCE = 64  # the reader's catch-up bound: it looks at the process between batches
 
 
 class CoreError(RuntimeError):
@@ -327,7 +328,7 @@ class CoreClient:
         while self._dead is None:
             events = dict(poller.poll(PARENT_CHECK_S * 1000))
             if sock in events:
-                self._handle(self._decoder.decode(sock.recv()))
+                self._take_waiting(sock)
                 continue  # read everything it sent before looking at how it ended
             if sentinel in events or self.process.poll() is not None:
                 if self._closing:
@@ -335,7 +336,23 @@ class CoreClient:
                 code = self.process.wait()
                 self._die(EngineDeadError(f"the engine core process died (exit code {code})"))
 
-    def _handle(self, message: FromCore) -> None:
+    def _take_waiting(self, sock: zmq.Socket) -> None:
+        """Applies the messages waiting (`MAX_MESSAGES_AT_ONCE` at most), then hands on the
+        requests they touched in one `on_update`: a reader behind the core catches up in one
+        dispatch, and a stream gets the tokens of several steps together."""
+        touched: dict[str, Request] = {}
+        for _ in range(MAX_MESSAGES_AT_ONCE):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(self._decoder.decode(data), touched)
+            if self._dead is not None:
+                return
+        if touched and self.on_update is not None:
+            self.on_update(list(touched.values()))
+
+    def _handle(self, message: FromCore, touched: dict[str, Request]) -> None:
         if isinstance(message, Fatal):
             self._die(EngineDeadError(f"the engine core's loop broke:\n{message.message}"))
             return
@@ -343,7 +360,6 @@ class CoreClient:
             return
         self.running_seqs = message.running_seqs
         self.num_steps = message.num_steps
-        touched = []
         for update in message.updates:
             if update.request_id in self._ending:  # news of a request ended here, all past its end
                 if update.done is not None:
@@ -352,9 +368,7 @@ class CoreClient:
             request = self._requests.get(update.request_id)
             if request is not None and request.status is not Status.FINISHED:
                 self._apply(request, update)
-                touched.append(request)
-        if touched and self.on_update is not None:
-            self.on_update(touched)
+                touched[request.request_id] = request
 
     def _apply(self, request: Request, update: RequestUpdate) -> None:
         """Brings the front end's copy up to the core's: tokens appended and, with stop strings,

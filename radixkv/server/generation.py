@@ -102,8 +102,9 @@ class ChoiceStreams:
     """The streams of one request's choices, merged in the order their tokens come.
 
     Opening them (`open`) validates every one before any is submitted, so bad input is a 400
-    before the response starts. Iterating yields `(index, delta)`; `usage` is complete once the
-    iteration ends. `aclose` (or leaving the iteration) ends every stream still going.
+    before the response starts. Iterating yields `(index, deltas)`, one choice's deltas that
+    came together (`__aiter__`); `usage` is complete once the iteration ends. `aclose` (or
+    leaving the iteration) ends every stream still going.
     """
 
     def __init__(self, streams: list[tuple[int, AsyncIterator[StreamDelta]]], prompt_tokens: int) -> None:
@@ -133,15 +134,37 @@ class ChoiceStreams:
         ]
         return cls(streams, sum(len(p) for p in prompts))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, list[StreamDelta]]]:
+        """Yields `(index, deltas)`: one choice's deltas that came together. When the consumer
+        lags behind the engine, everything that arrived meanwhile is taken at once, so a slow
+        front end writes one chunk for several tokens instead of falling further behind (vLLM's
+        front end merges a lagging stream's outputs the same way). A closing delta (an abort's,
+        no token) always comes alone, so its chunk keeps no text."""
         queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, s, queue)) for i, s in self._streams]
+        running = len(self._tasks)
         try:
-            for _ in self._tasks:
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, BaseException):
+            while running:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                run: list[StreamDelta] = []
+                run_index = -1
+                for item in items:
+                    if isinstance(item, tuple) and item[0] == run_index and item[1].token_id is not None:
+                        run.append(item[1])
+                        continue
+                    if run:
+                        yield run_index, run
+                        run, run_index = [], -1
+                    if item is None:
+                        running -= 1
+                    elif isinstance(item, BaseException):
                         raise item
-                    yield item
+                    else:
+                        run_index, run = item[0], [item[1]]
+                if run:
+                    yield run_index, run
         finally:
             await self.aclose()
 

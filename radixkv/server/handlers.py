@@ -225,8 +225,9 @@ async def _events(
     tools: bool = False,
     max_calls: int | None = None,
 ) -> AsyncIterator[str]:
-    """The SSE body: a chunk per piece of text (or per token, with logprobs), each with the
-    usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
+    """The SSE body: a chunk each time a choice's tokens come, with their text or their logprobs
+    (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
+    with the usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
     `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
     engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
     opened: set[int] = set()
@@ -234,22 +235,22 @@ async def _events(
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
     try:
-        async for index, delta in streams:
-            texts.setdefault(index, []).append(delta.text)
-            reply = ids.setdefault(index, [])
-            if delta.token_id is not None:  # None: a closing delta, no token
-                reply.append(delta.token_id)
-            text, calls, finish = delta.text, None, delta.finish_reason
+        async for index, deltas in streams:
+            text = "".join(d.text for d in deltas)
+            texts.setdefault(index, []).append(text)
+            ids.setdefault(index, []).extend(d.token_id for d in deltas if d.token_id is not None)
+            logprobs = [r for d in deltas for r in d.logprobs or ()] or None
+            calls, finish = None, deltas[-1].finish_reason
             if tools:
                 parser = parsers.setdefault(index, ToolStream(max_calls))
-                piece = parser.feed(delta.text)
+                piece = parser.feed(text)
                 if finish is not None:
                     piece.content += parser.finish().content
                     finish = "tool_calls" if parser.called and finish == "stop" else finish
                 text, calls = piece.content, piece.calls or None
-            if not text and not calls and finish is None and delta.logprobs is None:
+            if not text and not calls and finish is None and logprobs is None:
                 continue  # held back (part of a character, or maybe a stop string or tool call)
-            choice = Choice(index, text, finish, delta.logprobs, tool_calls=calls)
+            choice = Choice(index, text, finish, logprobs, tool_calls=calls)
             chunk = fmt.chunk(choice, first=chat and index not in opened)
             if continuous:
                 chunk["usage"] = streams.usage.as_dict()

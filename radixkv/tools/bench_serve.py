@@ -12,8 +12,9 @@ For each N (`--streams`, default 16, 32, 128, 256) and mode, in a fresh server:
 - `idle_period_ms`: the median period between decode steps of N sequences submitted straight to
   the engine, before the HTTP server starts: the step with no front end attached;
 - `period_ms`: the same with N streaming clients over HTTP (`/v1/completions`, `stream: true`,
-  token-id prompts, `ignore_eos`), measured while all N decode (after the last first token, before
-  the first finish); `period_ratio` = period / idle period;
+  token-id prompts, greedy and `ignore_eos` as in the idle run: the same step work), measured
+  while all N decode (after the last first token, before the first finish); `period_ratio` =
+  period / idle period;
 - `delivered_tok_s`: tokens the clients received per second over the same window, and what an
   unhindered step would deliver (N / idle period);
 - `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile;
@@ -147,15 +148,19 @@ def measure(
 
 
 def format_case(case: dict[str, Any]) -> str:
-    period = "n/a"
+    """One line; "n/a" where the all-decoding window is empty (see the module docstring)."""
+    period = delivered = "n/a"
     if case["period_ms"] is not None:
         period = f"{case['period_ms']:.2f} ms ({case['period_ratio']:.2f}x)"
+        delivered = f"{case['delivered_tok_s']:,.0f}"
+    span = "n/a"
+    if case["span_period_ms"] is not None:
+        span = f"{case['span_period_ms']:.2f} ms ({case['span_period_ms'] / case['idle_period_ms']:.2f}x)"
     return (
         f"{case['streams']:>4} streams, {case['mode']:>12}: step {case['idle_period_ms']:.2f} ms idle, "
-        f"{period} streaming; "
-        f"{case['delivered_tok_s']:,.0f} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
+        f"{period} streaming; {delivered} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
         f"/health p99 {case['health_p99_ms']:.1f} ms; whole span: "
-        f"{case['span_tok_s']:,.0f} tok/s, step {case['span_period_ms'] or 0:.2f} ms"
+        f"{case['span_tok_s']:,.0f} tok/s, step {span}"
     )
 
 
@@ -210,7 +215,10 @@ async def _stream(http: Any, index: int, tokens: int) -> tuple[float, float, int
     """One streaming completion: (first token time, finish time, tokens, each token's time). Every
     token is the stub's `STUB_TOKEN`, one character, so a chunk's text length is its tokens."""
     prompt = [(index * 7 + j) % 256 for j in range(PROMPT_TOKENS)]
-    body = {"model": "stub", "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    body = {
+        "model": "stub", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+        "ignore_eos": True,
+    }
     times: list[float] = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
