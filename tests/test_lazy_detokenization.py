@@ -25,20 +25,21 @@ def prompt(seed: int) -> list[int]:
 
 
 class DecodeCalls:
-    """Counts the tokenizer's decode calls inside and outside `engine.step`."""
+    """Counts the engine's decode calls (`InputProcessor.decode`, its one way to text) inside
+    and outside `engine.step`."""
 
     def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.decode = engine.tokenizer.decode  # the oracle: transformers' own decode
         self.in_step = False
         self.step_calls = self.reader_calls = 0
-        step = engine.step
+        step, engine_decode = engine.step, engine.inputs.decode
 
-        def counting(*args, **kwargs):
+        def counting(ids):
             if self.in_step:
                 self.step_calls += 1
             else:
                 self.reader_calls += 1
-            return self.decode(*args, **kwargs)
+            return engine_decode(ids)
 
         def flagged_step():
             self.in_step = True
@@ -47,7 +48,7 @@ class DecodeCalls:
             finally:
                 self.in_step = False
 
-        monkeypatch.setattr(engine.tokenizer, "decode", counting)
+        monkeypatch.setattr(engine.inputs, "decode", counting)
         monkeypatch.setattr(engine, "step", flagged_step)
 
     def text(self, ids: list[int]) -> str:
@@ -103,21 +104,20 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(engine, m
 def test_async_texts_are_made_in_the_callers_thread(model_folders):
     async def main() -> None:
         engine = AsyncEngine(EngineConfig(model=model_folders["llama"], **SMALL_POOL))
-        tokenizer = engine.tokenizer
-        decode, threads = tokenizer.decode, set()
+        inputs = engine.core.inputs  # the front end's (the core makes no text)
+        decode, engine_decode, threads = engine.tokenizer.decode, inputs.decode, set()
 
-        def recording(*args, **kwargs):
+        def recording(ids):
             threads.add(threading.current_thread())
-            return decode(*args, **kwargs)
+            return engine_decode(ids)
 
-        tokenizer.decode = recording
+        inputs.decode = recording
         try:
             params = SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True)
             deltas = [d async for d in engine.stream(prompt(1), params)]
             out = await engine.generate(prompt(1), params)
         finally:
             await engine.shutdown()
-            del tokenizer.decode
         assert threads == {threading.current_thread()}, "text was made outside the caller's thread"
         ids = [d.token_id for d in deltas]
         assert ids == out.token_ids
