@@ -306,26 +306,33 @@ class AsyncEngine:
         its last delta carries the finish reason; a failed stream gets its RequestError. The
         news of one call goes to each event loop in one callback (`_post_all`)."""
         posts: list[tuple[_Handle, Any]] = []
-        for request in requests:
-            handle = self._handles.get(request.request_id)
-            finished = request.status is Status.FINISHED
-            streamed = handle is not None and handle.seq is not None and request.error is None
-            if streamed:
-                end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
-                if end > handle.published or finished:
-                    handle.published = end
-                    posts.append((handle, _Progress(end, finished)))
-            if not finished:
-                continue
-            try:
-                result: Any = self.core.take(request.request_id)
-            except RequestError as exc:
-                result = exc
-            if handle is not None:
-                handle.done = True
-                if not streamed:
-                    posts.append((handle, result))
-        self._post_all(posts)
+        try:
+            for request in requests:
+                handle = self._handles.get(request.request_id)
+                finished = request.status is Status.FINISHED
+                streamed = handle is not None and handle.seq is not None and request.error is None
+                if streamed:
+                    end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
+                    if finished and end > handle.published and handle.seq.finish_reason == "abort":
+                        # Tokens that came with the abort (a reader that took several steps' news
+                        # at once) go first: the abort still ends the stream with its closing delta.
+                        posts.append((handle, _Progress(end, False)))
+                        handle.published = end
+                    if end > handle.published or finished:
+                        handle.published = end
+                        posts.append((handle, _Progress(end, finished)))
+                if not finished:
+                    continue
+                try:
+                    result: Any = self.core.take(request.request_id)
+                except RequestError as exc:
+                    result = exc
+                if handle is not None:
+                    handle.done = True
+                    if not streamed:
+                        posts.append((handle, result))
+        finally:  # what is marked done is posted, even if a later request breaks the loop
+            self._post_all(posts)
 
     def _post(self, handle: _Handle, item: Any) -> None:
         self._post_all([(handle, item)])

@@ -15,7 +15,10 @@ import itertools
 from collections.abc import Container
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.sampling.sampler import make_generator
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Request, Sequence
@@ -44,9 +47,7 @@ class InputProcessor:
         max_num_batched_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
-        self._backend_decodes = getattr(tokenizer, "backend_tokenizer", None) is not None and not getattr(
-            tokenizer, "clean_up_tokenization_spaces", False
-        )
+        self._backend_decodes = _decodes_as_its_backend(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -60,11 +61,11 @@ class InputProcessor:
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids, special tokens left out ("" for a model without a tokenizer).
 
-        A Hugging Face fast tokenizer that cleans up no spaces is decoded by its Rust backend
-        directly: the same text as its `decode`, which adds only conversions of its input and
-        that clean-up, in well under half the time (1.05 us against 2.58 us for 3 tokens, through
-        `PerThreadTokenizer`); a streamed token costs two decodes (`radixkv.detokenizer`), and
-        the front end makes every stream's text."""
+        A Hugging Face fast tokenizer whose decoding is the base class's and cleans up no spaces
+        is decoded by its Rust backend directly (`_decodes_as_its_backend`): the same text as its
+        `decode`, which adds only conversions of its input, in well under half the time (1.05 us
+        against 2.58 us for 3 tokens, through `PerThreadTokenizer`); a streamed token costs two
+        decodes (`radixkv.detokenizer`), and the front end makes every stream's text."""
         if self.tokenizer is None:
             return ""
         if self._backend_decodes:
@@ -185,3 +186,17 @@ class InputProcessor:
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def _decodes_as_its_backend(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=True)` is its Rust backend's decode of
+    the same ids: a fast tokenizer that overrides neither `decode` nor `_decode` (some rewrite
+    the text, as CPM's or Whisper's do) and does not clean up spaces before punctuation."""
+    base = tokenizer.own() if isinstance(tokenizer, PerThreadTokenizer) else tokenizer
+    kind = type(base)
+    return (
+        isinstance(base, PreTrainedTokenizerFast)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is PreTrainedTokenizerFast._decode
+        and not base.clean_up_tokenization_spaces
+    )

@@ -14,16 +14,27 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
 import msgspec
 import pytest
+import zmq
 from core_faults import POISON, forbid_decoding
+from radixkv.scheduler.request import Status
 from test_server import serve
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
-from radixkv.engine_process.messages import RequestUpdate, SeqUpdate, StepOutput, pack_ids, unpack_ids
+from radixkv.engine_process.messages import (
+    Done,
+    Fatal,
+    RequestUpdate,
+    SeqUpdate,
+    StepOutput,
+    pack_ids,
+    unpack_ids,
+)
 from radixkv.errors import EngineDeadError, InvariantError
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
@@ -216,6 +227,108 @@ def test_abort_and_cancel_reach_the_core(model_folders):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+class HeldReader:
+    """Holds the front end's reader thread in its next dispatch until `release`, so that the core
+    runs on and its messages wait in the socket; counts the dispatches."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.dispatch, self.calls = engine.core.on_update, 0
+        self.held, self.released = threading.Event(), threading.Event()
+        self.hold_next = True
+        engine.core.on_update = self
+
+    def __call__(self, requests) -> None:
+        self.calls += 1
+        if self.hold_next:
+            self.hold_next = False
+            self.held.set()
+            assert self.released.wait(120), "the test never released the reader"
+        self.dispatch(requests)
+
+
+def test_a_reader_behind_the_core_takes_what_waits_at_once_and_an_abort_still_closes(model_folders):
+    """With the reader held in its first dispatch, the core makes the rest of a request (and, in a
+    second request, several tokens and then an abort): once released, the reader applies every
+    waiting message and dispatches once. The stream's tokens are the in-process engine's, and an
+    aborted stream still ends with its closing delta (no token), its tokens before it."""
+    config = EngineConfig(model=str(model_folders["llama"]), **KW)
+    whole, long = ([9, 8, 7, 6], [5, 4, 3])
+    twelve, cut = dataclasses.replace(GREEDY, max_tokens=12), dataclasses.replace(GREEDY, max_tokens=400)
+    sync = Engine(config)
+    want_whole = sync.generate([whole], twelve)[0].token_ids
+    want_cut = sync.generate([long], dataclasses.replace(GREEDY, max_tokens=64))[0].token_ids
+
+    async def collect(stream) -> list:
+        return [d async for d in stream]
+
+    async def wait(done, what: str) -> None:
+        await asyncio.to_thread(wait_for, done, 120, what)
+
+    async def main() -> None:
+        engine = AsyncEngine(config)
+        try:
+            reader = HeldReader(engine)
+            task = asyncio.ensure_future(collect(engine.stream(whole, twelve)))
+            await wait(reader.held.is_set, "the first dispatch")
+            await wait(lambda: engine.metrics()["running"] == 0, "the core finished the request")
+            reader.released.set()
+            deltas = await asyncio.wait_for(task, 120)
+            assert [d.token_id for d in deltas] == want_whole
+            assert deltas[-1].finish_reason == "length"
+            assert reader.calls == 2  # the held one, then everything else in one
+
+            reader.calls, reader.hold_next = 0, True
+            reader.held.clear(), reader.released.clear()
+            task = asyncio.ensure_future(collect(engine.stream(long, cut, request_id="cut")))
+            await wait(reader.held.is_set, "the first dispatch")
+            free = engine.metrics()["num_free_blocks"]
+            await wait(lambda: engine.metrics()["num_free_blocks"] <= free - 2, "two more blocks")
+            engine.abort("cut")
+            await wait(lambda: engine.metrics()["running"] == 0, "the core aborted the request")
+            reader.released.set()
+            deltas = await asyncio.wait_for(task, 120)
+            closing = deltas[-1]
+            assert closing.token_id is None and closing.text == "" and closing.finish_reason == "abort"
+            made = [d.token_id for d in deltas[:-1]]
+            assert len(made) > 4 and made[:64] == want_cut[: len(made)]
+            assert all(d.finish_reason is None for d in deltas[:-1])
+            assert reader.calls == 2
+            engine.check_invariants()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_fatal_after_a_finished_request_hands_the_request_on_before_the_death(model_folders):
+    """The reader applies what came before a `Fatal` in the same batch and dispatches it, then
+    reports the death: a request the core finished is a result, not an error."""
+    engine = AsyncEngine(EngineConfig(model=str(model_folders["llama"]), **KW))
+    client = engine.core
+    try:
+        request = client.make_request([1, 2, 3], GREEDY, "done")
+        client._requests["done"] = request  # as `submit` keeps it, without sending it
+        order = []
+        client.on_update = lambda requests: order.append(("update", [r.request_id for r in requests]))
+        client.on_dead = lambda error: order.append(("dead", request.error))
+        seq = SeqUpdate(0, pack_ids([7, 8]), None, "length")
+        finished = [RequestUpdate("done", [seq], done=Done(1.0, 0.5))]
+        waiting = [msgspec.msgpack.encode(m) for m in (StepOutput(finished, 0, 1), Fatal("boom"))]
+
+        class Socket:
+            def recv(self, flags: int = 0) -> bytes:
+                if not waiting:
+                    raise zmq.Again()
+                return waiting.pop(0)
+
+        client._take_waiting(Socket())
+        assert order == [("update", ["done"]), ("dead", None)]
+        assert request.status is Status.FINISHED and request.finished_seqs[0].output_ids == [7, 8]
+    finally:
+        client._dead = None  # the real core is alive: shut it down as usual
+        asyncio.run(engine.shutdown())
 
 
 def test_a_failed_step_fails_only_its_requests_and_a_broken_book_is_reported(model_folders):

@@ -58,6 +58,7 @@ def test_the_front_ends_decode_is_the_tokenizers_own() -> None:
     rng = random.Random(0)
     for wrapped in (tokenizer, PerThreadTokenizer(tokenizer)):
         inputs = InputProcessor(wrapped, BYTE_VOCAB_SIZE, 64, 1, 8, 4)
+        assert inputs._backend_decodes  # else this checks transformers against itself
         for _ in range(300):
             ids = [rng.randrange(BYTE_VOCAB_SIZE) for _ in range(rng.randrange(0, 12))]
             assert inputs.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)

@@ -74,7 +74,7 @@ from radixkv.structured.grammar import GrammarCompiler
 STARTUP_TIMEOUT_S = 600.0  # building the core loads the model (and profiles memory on a GPU)
 CONTROL_TIMEOUT_S = 300.0  # a control call waits for the step in flight, however slow
 SHUTDOWN_TIMEOUT_S = 60.0  # the core writes its KV store out and stops its workers
-MAX_MESSAGES_AT_ONCE = 64  # the reader's catch-up bound: it looks at the process between batches
+MAX_MESSAGES_AT_ONCE = 64  # a reader behind the core applies at most this many before it dispatches
 
 
 class CoreError(RuntimeError):
@@ -339,25 +339,29 @@ class CoreClient:
     def _take_waiting(self, sock: zmq.Socket) -> None:
         """Applies the messages waiting (`MAX_MESSAGES_AT_ONCE` at most), then hands on the
         requests they touched in one `on_update`: a reader behind the core catches up in one
-        dispatch, and a stream gets the tokens of several steps together."""
+        dispatch, and a stream gets the tokens of several steps together. A `Fatal` ends the
+        batch; what came before it is handed on first, then the core's death."""
         touched: dict[str, Request] = {}
+        fatal = None
         for _ in range(MAX_MESSAGES_AT_ONCE):
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._handle(self._decoder.decode(data), touched)
-            if self._dead is not None:
-                return
+            message = self._decoder.decode(data)
+            if isinstance(message, Fatal):
+                fatal = message
+                break
+            if isinstance(message, StepOutput):
+                self._apply_step(message, touched)
+        if self._dead is not None:
+            return  # another thread found the death meanwhile and failed every open request
         if touched and self.on_update is not None:
             self.on_update(list(touched.values()))
+        if fatal is not None:
+            self._die(EngineDeadError(f"the engine core's loop broke:\n{fatal.message}"))
 
-    def _handle(self, message: FromCore, touched: dict[str, Request]) -> None:
-        if isinstance(message, Fatal):
-            self._die(EngineDeadError(f"the engine core's loop broke:\n{message.message}"))
-            return
-        if not isinstance(message, StepOutput):
-            return
+    def _apply_step(self, message: StepOutput, touched: dict[str, Request]) -> None:
         self.running_seqs = message.running_seqs
         self.num_steps = message.num_steps
         for update in message.updates:
