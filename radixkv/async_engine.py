@@ -313,11 +313,6 @@ class AsyncEngine:
                 streamed = handle is not None and handle.seq is not None and request.error is None
                 if streamed:
                     end = len(handle.seq.tokens) - handle.seq.num_prompt_tokens
-                    if finished and end > handle.published and handle.seq.finish_reason == "abort":
-                        # Tokens that came with the abort (a reader that took several steps' news
-                        # at once) go first: the abort still ends the stream with its closing delta.
-                        posts.append((handle, _Progress(end, False)))
-                        handle.published = end
                     if end > handle.published or finished:
                         handle.published = end
                         posts.append((handle, _Progress(end, finished)))

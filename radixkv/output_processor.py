@@ -18,22 +18,24 @@ def stream_deltas(request: Request, seq: Sequence, start: int, end: int, finishe
     """`StreamDelta`s of `seq`'s generated tokens `start` to `end` (exclusive), their text
     detokenized here if the step did not (`Sequence.text_pieces`); the first of all carries
     the request's cached prompt tokens, the last the finish reason when `finished` (then
-    `end` is the number of generated tokens). A request finished with no token past `start`
-    (an abort) gets a closing delta: no token, no text, its finish reason (`StreamDelta`).
+    `end` is the number of generated tokens). An aborted request ends with a closing delta: no
+    token, no text, its finish reason (`StreamDelta`), after the tokens it made since `start`
+    (some, when a reader took several steps' news at once).
     Needs no step lock when `end` and `finished` were read under it: a step never rewrites
     what it has published."""
     out = seq.tokens
     base = seq.num_prompt_tokens
     pieces = seq.text_pieces(base + end) if seq.detok is not None else None
     records = seq.token_logprobs
+    # Only an abort ends a request without a token of its own (a stop or length comes with the
+    # token that caused it), and an aborted text holds nothing back to release here.
+    closing = finished and (start == end or seq.finish_reason == "abort")
     deltas = []
     for i in range(start, end):
         record = [records[i]] if records is not None else None
-        reason = seq.finish_reason if finished and i == end - 1 else None
+        reason = seq.finish_reason if finished and not closing and i == end - 1 else None
         deltas.append(StreamDelta(out[base + i], pieces[i] if pieces is not None else "", reason, record))
-    if finished and start == end:
-        # Only an abort ends a request without a token (a stop or length comes with the token
-        # that caused it), and an aborted text holds nothing back to release here.
+    if closing:
         deltas.append(StreamDelta(None, "", seq.finish_reason))
     if start == 0 and deltas:  # the prefix match is known from admission on
         deltas[0].num_cached_tokens = request.num_cached_tokens or 0

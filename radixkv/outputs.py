@@ -73,8 +73,8 @@ class StreamDelta:
     `text` is the text this token completes: "" while it ends inside a multi-byte character or
     might begin a stop string; the texts of all deltas joined are the sample's text.
 
-    A request that ends without making a token since the previous delta (aborted before its
-    first token or between two tokens) ends its stream with a closing delta: `token_id` None,
+    An aborted request (before its first token or between two tokens: an abort makes no token)
+    ends its stream with a closing delta: `token_id` None,
     `text` "", no logprobs, and the finish reason. Only such a delta has no token, so a consumer
     counting or collecting tokens skips `token_id is None`. A stream that ends with a token
     (stop, length) carries its finish reason on that token's delta and has no closing delta."""
