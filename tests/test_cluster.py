@@ -29,6 +29,7 @@ from radixkv.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 IDLE_S = 2.0  # the replicas' session idle timeout
+LIMIT = 64 * 1024  # bytes of a request body, at the router and at each replica
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def base_url():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = EngineConfig(model="tiny-llama", kv_cache_memory="8MiB", max_model_len=1024)
-        app = build_application(config, 2, "cache-aware", "tiny-llama", session_idle_timeout_s=IDLE_S)
+        app = build_application(
+            config, 2, "cache-aware", "tiny-llama", session_idle_timeout_s=IDLE_S, max_request_bytes=LIMIT
+        )
         serve.run(app, name="radixkv", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -147,6 +150,17 @@ def test_models_and_health_answer_through_the_router(client, base_url):
     assert '"replicas_alive":2' in health
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=-1)
+
+
+def test_a_body_over_the_limit_is_a_413_at_the_router_and_at_each_replica(base_url):
+    big = b'{"prompt": "' + b"x" * LIMIT + b'"}'
+    routed = httpx.post(f"{base_url}/v1/completions", content=big, timeout=60)
+    assert routed.status_code == 413 and routed.json()["error"]["code"] == "too_large"
+    for replica in (0, 1):  # sent to the replica's deployment, past the router
+        handle = serve.get_deployment_handle(f"engine-{replica}", app_name="radixkv")
+        request = Forwarded("POST", "/v1/completions", b"", [], big)
+        head, *_ = handle.options(stream=True).forward.remote(request)
+        assert head.status == 413
 
 
 def replica_metric(name: str, replica: int) -> float:

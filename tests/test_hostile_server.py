@@ -345,3 +345,31 @@ def test_remembered_replies_are_kept_apart_by_cache_namespace():
     replies.add("the reply", list(b"the reply"), namespace="tenant-a")
     assert replies.get("the reply", "tenant-a") == list(b"the reply")
     assert replies.get("the reply", "tenant-b") is None and replies.get("the reply") is None
+
+
+def test_the_tokenizer_routes_tokenize_and_decode_off_the_event_loop(server, monkeypatch):
+    """The event loop runs in this thread (`Server.run`): no tokenizer copy is asked for here while
+    `/tokenize` and `/detokenize` work, so their text is never encoded or decoded on the loop."""
+    from radixkv.model.tokenizer_threads import PerThreadTokenizer
+
+    threads = []
+    real_own = PerThreadTokenizer.own
+    def own(self):
+        threads.append(threading.get_ident())
+        return real_own(self)
+
+    monkeypatch.setattr(PerThreadTokenizer, "own", own)
+
+    async def main():
+        text = await server.http.post("/tokenize", json={"prompt": "ab" * 2000})
+        chat = await server.http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        back = await server.http.post("/detokenize", json={"tokens": text.json()["tokens"][:8]})
+        return text, chat, back
+
+    text, chat, back = server.run(main())
+    calls = len(threads)  # the checks below decode here
+    assert (text.status_code, chat.status_code, back.status_code) == (200, 200, 200)
+    assert text.json()["count"] == len(text.json()["tokens"]) > 0
+    assert "".join(server.engine.tokenizer.decode([t]) for t in text.json()["tokens"]) == "ab" * 2000
+    assert back.json()["prompt"] == server.engine.tokenizer.decode(text.json()["tokens"][:8])
+    assert threads and threading.get_ident() not in threads[:calls]

@@ -1,4 +1,5 @@
-"""The router's HTTP side without Ray: retries, a stream cut mid-way, no live replica, restarts.
+"""The router's HTTP side without Ray: retries, a stream cut mid-way, no live replica, restarts,
+the body limit and per-key routing.
 
 The replicas here are scripted clients (a head, some chunks, then maybe a failure), since what is
 under test is the router's handling of each fault; the real replicas on Ray Serve are driven in
@@ -7,6 +8,7 @@ tests/test_cluster.py.
 
 import asyncio
 import json
+import threading
 
 import pytest
 from starlette.applications import Starlette
@@ -174,3 +176,59 @@ def test_the_router_s_metrics_carry_each_live_replica_s_own_labelled_by_replica(
     engines = {replica for name, replica in samples if not name.startswith("radixkv_router_")}
     assert engines == {"0", "1"}
 
+
+
+def test_a_body_over_the_limit_is_a_413_at_the_router_and_reaches_no_replica():
+    replica = Scripted([ResponseHead(200, JSON), b"{}"])
+    service = RouterService(Router("round-robin", 1, 64, 4), [replica], tokenizer=None, max_request_bytes=64)
+    client = TestClient(Starlette(routes=[Route("/{path:path}", service.handle, methods=["POST"])]))
+    big = json.dumps({"prompt": list(range(40)), "max_tokens": 1}).encode()
+    declared = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    chunked = client.post("/v1/completions", content=iter([big[:40], big[40:]]))  # no Content-Length
+    for r in (declared, chunked):
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    assert not replica.requests and service.router.stats[0].requests == 0
+    assert completion(client).status_code == 200  # a small one passes
+
+
+class CountingTokenizer:
+    """Encodes text as its bytes and notes the thread each call runs in."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.threads = []
+
+    def encode(self, text, add_special_tokens=False):
+        self.threads.append(threading.get_ident())
+        return list(text.encode())
+
+
+@pytest.mark.parametrize("per_key", [True, False])
+def test_routing_keys_each_api_key_s_namespace_under_per_key_isolation(per_key):
+    """Two keys with the same prompt: the cache-aware router expects a hit for a key's second
+    request only, since the replicas cache each key apart; shared isolation expects it for both.
+    The prompt's text is tokenized off the event loop."""
+    replicas = [Scripted([ResponseHead(200, JSON), b"{}"]) for _ in range(2)]
+    tokenizer = CountingTokenizer()
+    router = Router("cache-aware", 2, 64, 4)
+    service = RouterService(router, replicas, tokenizer, per_key_isolation=per_key)
+    loop_threads = []
+
+    async def handle(request):
+        loop_threads.append(threading.get_ident())
+        return await service.handle(request)
+
+    client = TestClient(Starlette(routes=[Route("/{path:path}", handle, methods=["POST"])]))
+    prompt = "the same long prompt, word for word"
+    hits = []
+    for key in ("key-a", "key-b", "key-a"):
+        before = sum(s.estimated_hit_tokens for s in router.stats)
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                        headers={"authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+        hits.append(sum(s.estimated_hit_tokens for s in router.stats) - before)
+    whole = len(prompt.encode())
+    assert hits == ([0, 0, whole] if per_key else [0, whole, whole])
+    assert len(tokenizer.threads) == len(loop_threads) == 3
+    assert all(t != loop for t, loop in zip(tokenizer.threads, loop_threads, strict=True))

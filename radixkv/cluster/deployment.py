@@ -30,6 +30,7 @@ from radixkv.cluster.asgi_call import Forwarded, ResponseHead, call_asgi
 from radixkv.cluster.router_service import ReplicaFailed, ReplicaInfo, RouterService
 from radixkv.config import EngineConfig
 from radixkv.router import Router
+from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S
 
 PROBE_PERIOD_S = 0.5
@@ -45,25 +46,14 @@ REPLICA_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableE
     logging_config={"enable_access_log": False},
 )
 class EngineReplica:
-    def __init__(
-        self,
-        config: EngineConfig,
-        model_name: str,
-        api_key: str | tuple[str, ...] | None,
-        max_waiting: int | None,
-        session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
-    ):
+    """`server_options`: `build_app`'s keyword arguments (keys, limits, isolation, sessions)."""
+
+    def __init__(self, config: EngineConfig, model_name: str, server_options: dict[str, Any]):
         from radixkv import AsyncEngine
         from radixkv.server.app import build_app
 
         self.engine = AsyncEngine(config, engine_process=False)  # Ray supervises the replica itself
-        self.app = build_app(
-            self.engine,
-            model_name,
-            api_key=api_key,
-            max_waiting=max_waiting,
-            session_idle_timeout_s=session_idle_timeout_s,
-        )
+        self.app = build_app(self.engine, model_name, **server_options)
         self.info = ReplicaInfo(uuid.uuid4().hex, self.engine.metrics()["num_blocks"], config.block_size)
 
     def probe(self) -> ReplicaInfo:
@@ -102,12 +92,19 @@ class RayReplica:
 
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 class RouterIngress:
-    def __init__(self, engines: list[DeploymentHandle], policy: str, model: str) -> None:
+    """`service_options`: `RouterService`'s keyword arguments (isolation, body limit)."""
+
+    def __init__(
+        self, engines: list[DeploymentHandle], policy: str, model: str, service_options: dict[str, Any]
+    ) -> None:
         from radixkv.model.loader import load_tokenizer
+        from radixkv.model.tokenizer_threads import PerThreadTokenizer
 
         self.replicas = [RayReplica(h) for h in engines]
         self.policy = policy
-        self.tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(model)
+        self.tokenizer = PerThreadTokenizer(tokenizer) if tokenizer is not None else None
+        self.service_options = service_options
         self.service: RouterService | None = None
         self._started = asyncio.Lock()
         self._probing: asyncio.Task | None = None
@@ -124,7 +121,7 @@ class RouterIngress:
             if self.service is None:
                 infos = await asyncio.gather(*(h.probe.remote() for h in (r.handle for r in self.replicas)))
                 router = Router(self.policy, len(infos), infos[0].num_blocks, infos[0].block_size)
-                self.service = RouterService(router, self.replicas, self.tokenizer)
+                self.service = RouterService(router, self.replicas, self.tokenizer, **self.service_options)
                 await self.service.probe_all()
                 self._probing = asyncio.ensure_future(self._probe_forever())
         return self.service
@@ -149,14 +146,30 @@ def build_application(
     max_waiting: int | None = None,
     gpus_per_replica: float = 0,
     session_idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cache_isolation: str = "shared",
 ) -> Any:
-    """The Serve application: `replicas` engine deployments and the routing ingress. Every
+    """The Serve application: `replicas` engine deployments and the routing ingress. Each
+    replica serves the single-engine server's application with these options (`build_app`), so
+    keys, limits and cache isolation hold there as on one server; the ingress refuses a body over
+    `max_request_bytes` itself and routes in each key's namespace under per-key isolation. Every
     replica closes its chat sessions idle for `session_idle_timeout_s` (0 or None: only by
     `DELETE /v1/sessions/{id}`, which the ingress sends to every replica)."""
+    server_options = {
+        "api_key": api_key,
+        "max_waiting": max_waiting,
+        "session_idle_timeout_s": session_idle_timeout_s,
+        "max_request_bytes": max_request_bytes,
+        "cache_isolation": cache_isolation,
+    }
     engines = [
         EngineReplica.options(name=f"engine-{i}", ray_actor_options={"num_gpus": gpus_per_replica}).bind(
-            config, model_name, api_key, max_waiting, session_idle_timeout_s
+            config, model_name, server_options
         )
         for i in range(replicas)
     ]
-    return RouterIngress.bind(engines, policy, config.model)
+    service_options = {
+        "per_key_isolation": cache_isolation == "per-key" and bool(api_key),
+        "max_request_bytes": max_request_bytes,
+    }
+    return RouterIngress.bind(engines, policy, config.model, service_options)

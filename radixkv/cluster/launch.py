@@ -5,8 +5,12 @@ replicas join that cluster. Each replica asks for one GPU when the cluster has o
 replica, else an equal share of the GPUs there are (replicas then share a device, and each sizes
 its KV cache from its share: `EngineConfig.gpu_memory_share`), else none.
 The HTTP API is the single-engine server's, on `--host:--port`, served by Ray Serve's proxy;
-every replica closes chat sessions after `--session-idle-timeout`, and the router sends
-`DELETE /v1/sessions/{id}` to all of them.
+every replica takes the server's `--api-key`, `--cache-isolation`, `--max-request-bytes` and
+`--max-waiting` (the router refuses an oversized body itself), closes chat sessions after
+`--session-idle-timeout`, and the router sends `DELETE /v1/sessions/{id}` to all of them. Each
+replica runs its engine core in its own process's thread (Ray supervises the replica), so
+`--no-engine-process` changes nothing here; `--graceful-timeout` does not apply either: Ray Serve
+shuts replicas down with its own grace period (20 s by default).
 SIGTERM or Ctrl-C shuts the application down.
 """
 
@@ -35,17 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from radixkv.server.launch import check_arguments, read_api_keys
+
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    if not args.session_idle_timeout >= 0:
-        raise ValueError(f"--session-idle-timeout must be >= 0, got {args.session_idle_timeout}")
+    check_arguments(args)
     try:
         import ray
         from ray import serve
     except ImportError:
         raise SystemExit('--replicas needs Ray Serve: pip install -e ".[cluster]"') from None
     from radixkv.cluster.deployment import build_application
-    from radixkv.server.launch import read_api_keys
     from radixkv.tools.engine_args import engine_config
 
     keys = read_api_keys(args)  # checked before any replica starts
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         gpus_per_replica=gpus,
         session_idle_timeout_s=args.session_idle_timeout,
+        max_request_bytes=args.max_request_bytes,
+        cache_isolation=args.cache_isolation,
     )
     serve.run(app, name="radixkv", route_prefix="/")
     print(

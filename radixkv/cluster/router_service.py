@@ -6,8 +6,14 @@ Ray Serve (`radixkv.cluster.deployment`) or over replicas in this process.
 
 Routing key: the prompt's token ids as the replica would build them before its reply splicing
 (the chat template over the messages' text, or the completion prompt), from the server's own
-request models. A body that does not parse is routed with no key (to the least loaded replica),
-whose server answers it with the proper 400.
+request models, in the request's cache namespace (its `cache_salt`, and under per-key isolation
+its API key: `radixkv.server.state.cache_namespace`), so that a prefix cached for one tenant never
+draws another's requests. A body that does not parse is routed with no key (to the least loaded
+replica), whose server answers it with the proper 400. Templates and tokenization run in worker
+threads, so one long prompt never holds the router's event loop.
+
+Hostile traffic: a body over `max_request_bytes` is a 413 at the router's door, before more of it
+is read or any of it reaches a replica (`radixkv.server.body`).
 
 Faults. A replica that fails (`ReplicaFailed`: its process died, or it is unreachable) is taken
 out of routing at once, and `probe_all` brings it back when it answers again. Its prefix index
@@ -43,9 +49,11 @@ from radixkv.cluster.asgi_call import Forwarded, ResponseHead
 from radixkv.cluster.router_metrics import RouterCounters, replica_exposition, router_exposition
 from radixkv.conversation import render_chat
 from radixkv.router import NoReplicaAvailable, Router
+from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from radixkv.server.errors import APIError
 from radixkv.server.prometheus import CONTENT_TYPE
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.state import bearer_key, cache_namespace
 
 log = logging.getLogger("radixkv.cluster")
 
@@ -76,10 +84,23 @@ class ReplicaClient(Protocol):
 
 
 class RouterService:
-    def __init__(self, router: Router, replicas: list[ReplicaClient], tokenizer: Any) -> None:
+    """`tokenizer` may be called from several threads at once (a `PerThreadTokenizer`).
+    `per_key_isolation`: the replicas give each API key a cache namespace of its own."""
+
+    def __init__(
+        self,
+        router: Router,
+        replicas: list[ReplicaClient],
+        tokenizer: Any,
+        *,
+        per_key_isolation: bool = False,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
         self.router = router
         self.replicas = replicas
         self.tokenizer = tokenizer
+        self.per_key_isolation = per_key_isolation
+        self.max_request_bytes = max_request_bytes
         self.counters = RouterCounters(len(replicas))
         self.incarnations: list[str | None] = [None] * len(replicas)
         self._metrics = router_exposition(router, self.counters)
@@ -121,8 +142,9 @@ class RouterService:
     # ------------------------------------------------------------ internals
 
     async def _generate(self, request: Request) -> Response:
-        forwarded = await _forwarded(request)
-        tokens = self._routing_tokens(request.url.path, forwarded.body)
+        forwarded = await self._forwarded(request)
+        key = bearer_key(request.headers.get("authorization")) if self.per_key_isolation else None
+        tokens = await asyncio.to_thread(self._routing_tokens, request.url.path, forwarded.body, key)
         for attempt in range(2):
             try:
                 decision = self.router.choose(tokens)
@@ -168,7 +190,7 @@ class RouterService:
             await parts.aclose()
 
     async def _any_replica(self, request: Request) -> Response:
-        forwarded = await _forwarded(request)
+        forwarded = await self._forwarded(request)
         for i, s in enumerate(self.router.stats):
             if not s.alive:
                 continue
@@ -198,7 +220,7 @@ class RouterService:
     async def _close_session(self, request: Request) -> Response:
         """The close sent to every replica in routing: the first 200 among their answers, else
         the first replica's answer (a 404, or the error every replica gives, as a 401)."""
-        forwarded = await _forwarded(request)
+        forwarded = await self._forwarded(request)
         alive = [i for i, s in enumerate(self.router.stats) if s.alive]
         answers = await asyncio.gather(*(self._whole(i, forwarded) for i in alive), return_exceptions=True)
         replies = []
@@ -228,30 +250,30 @@ class RouterService:
             self.counters.failures[i] += 1
         self.router.set_alive(i, False)
 
-    def _routing_tokens(self, path: str, body: bytes) -> list[int]:
+    async def _forwarded(self, request: Request) -> Forwarded:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+        return Forwarded(request.method, request.url.path, request.url.query.encode(), headers,
+                         await read_body(request, self.max_request_bytes))
+
+    def _routing_tokens(self, path: str, body: bytes, key: str | None) -> list[int]:
         """The prompt's tokens as the replicas' caches key them: shifted into the request's
-        `cache_salt` namespace (`radixkv.cache.salt`), so that a prefix cached under one salt
-        never draws another salt's requests."""
+        cache namespace (`cache_namespace` of API key `key` and its `cache_salt`; see
+        `radixkv.cache.salt`). Runs in a worker thread."""
         try:
             if path == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate_json(body)
                 if self.tokenizer is None or self.tokenizer.chat_template is None:
                     return []
                 messages = [{"role": m.role, "content": m.text} for m in chat.messages]
-                return salted(render_chat(self.tokenizer, messages, {}), salt_offset(chat.cache_salt))
+                offset = salt_offset(cache_namespace(key, chat.cache_salt))
+                return salted(render_chat(self.tokenizer, messages, {}), offset)
             completion = CompletionRequest.model_validate_json(body)
             prompt = completion.prompts[0]
         except (ValidationError, APIError, ValueError, IndexError):
             return []
         if not isinstance(prompt, list):
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False) if self.tokenizer else []
-        return salted(prompt, salt_offset(completion.cache_salt))
-
-
-async def _forwarded(request: Request) -> Forwarded:
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-    return Forwarded(request.method, request.url.path, request.url.query.encode(), headers,
-                     await request.body())
+        return salted(prompt, salt_offset(cache_namespace(key, completion.cache_salt)))
 
 
 def _unavailable(message: str) -> APIError:

@@ -10,9 +10,8 @@ OpenAI's shape. While the application runs, a task closes the chat sessions idle
 timeout. When it shuts down (after uvicorn's graceful period), the engine aborts what is still
 going and stops its loop thread.
 
-Hostile traffic: a body over `max_request_bytes` is a 413, answered from its Content-Length
-before any of it is read, or as soon as a chunked upload passes the limit; a client that leaves
-mid-upload is one INFO line. Every response carries `x-request-id`, and an unexpected error is
+Hostile traffic: a body over `max_request_bytes` is a 413 before more of it is read
+(`radixkv.server.body`). Every response carries `x-request-id`, and an unexpected error is
 logged under it and answered without its text (`radixkv.server.request_ids`). `/health` answers
 503 once the engine's loop has died, so that a supervisor restarts the server.
 
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -34,21 +32,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 import radixkv
 from radixkv.server import handlers
+from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
 from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixkv.server.request_ids import RequestIds, request_id
+from radixkv.server.request_ids import RequestIds
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S, SessionTracker
 from radixkv.server.state import CACHE_ISOLATION, ServerState, api_keys, prompt_char_limit
 from radixkv.server.tokenizer_routes import add_tokenizer_routes
-
-log = logging.getLogger("radixkv.server")
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def build_app(
@@ -113,7 +108,7 @@ def build_app(
         return error.response()  # a 405's `Allow` header included
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = await _read_body(request, max_request_bytes)
+        body = await read_body(request, max_request_bytes)
         try:
             return model.model_validate_json(body)
         except ValidationError as e:
@@ -181,31 +176,3 @@ def build_app(
         return Response(await asyncio.to_thread(render_metrics), media_type=CONTENT_TYPE)
 
     return app
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to pass `limit` bytes: from its Content-Length
-    before reading any of it, else while it streams in. A client gone mid-upload is logged once."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        log.info("request %s: the client disconnected during the upload", request_id(request.scope))
-        raise APIError(499, "the client disconnected") from None
-    return b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    """A 413 that also closes the connection: the server reads no more of the body, where
-    keeping the connection would mean receiving (and discarding) the rest of it first."""
-    message = f"the body has {size} bytes or more; this server takes at most {limit}"
-    return APIError(
-        413, message, type="invalid_request_error", code="too_large", headers={"Connection": "close"}
-    )

@@ -31,6 +31,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES
 from radixkv.server.sessions import DEFAULT_IDLE_TIMEOUT_S
 from radixkv.server.state import CACHE_ISOLATION, api_keys
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
@@ -38,7 +39,6 @@ from radixkv.tools.engine_args import add_engine_arguments, engine_config
 STREAM_CLOSE_GRACE_S = 2.0
 """After the engine aborts what runs at the end of `--graceful-timeout`, the seconds its streams
 get to send their last chunks before uvicorn cancels them."""
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEATH_CHECK_S = 0.2
 """How often the server looks at whether its engine still lives."""
 EXIT_ENGINE_DIED = 1
@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first server option out of range (one server or replicas)."""
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.graceful_timeout < 0:
@@ -113,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--session-idle-timeout must be >= 0, got {args.session_idle_timeout}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     keys = read_api_keys(args)
     if not args.no_engine_process:
         from radixkv.engine_process import launcher

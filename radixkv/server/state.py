@@ -28,6 +28,22 @@ def api_keys(keys: str | Sequence[str] | None) -> tuple[str, ...]:
     return keys
 
 
+def bearer_key(header: str | None) -> str | None:
+    """The key an `Authorization: Bearer <key>` header gives, unchecked; None for no such header."""
+    scheme, _, given = (header or "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" and given.strip() else None
+
+
+def cache_namespace(key: str | None, requested: str | None) -> str | None:
+    """The cache salt of a request with its own `cache_salt` `requested`, sent under API key `key`
+    when each key is a namespace of its own (None otherwise): a digest of the key, so the key
+    itself is never held in the cache or its logs. The server and the router both key by it."""
+    if key is None:
+        return requested
+    tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()
+    return tenant if requested is None else f"{tenant}\x1f{requested}"
+
+
 @dataclass
 class ServerState:
     """`max_waiting`: sequences (each prompt's samples or beams) the server lets wait for a slot
@@ -61,25 +77,20 @@ class ServerState:
         (None when the server has no keys). Every key is compared, in constant time each."""
         if not self.api_keys:
             return None
-        scheme, _, given = (header or "").partition(" ")
-        given_bytes = given.strip().encode("latin-1", errors="replace")
+        given = (bearer_key(header) or "").encode("latin-1", errors="replace")
         matched = None
         for key in self.api_keys:
-            if hmac.compare_digest(given_bytes, key.encode()):
+            if hmac.compare_digest(given, key.encode()):
                 matched = key
-        if scheme.lower() != "bearer" or matched is None:
+        if matched is None:
             raise APIError(
                 401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key"
             )
         return matched
 
     def cache_salt(self, key: str | None, requested: str | None) -> str | None:
-        """The request's cache namespace: its own `cache_salt`, and under `per-key` isolation its
-        key's too (a digest, so the key itself is never held in the cache or its logs)."""
-        if self.cache_isolation != "per-key" or key is None:
-            return requested
-        tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()
-        return tenant if requested is None else f"{tenant}\x1f{requested}"
+        """The request's cache namespace (`cache_namespace`) under this server's isolation."""
+        return cache_namespace(key if self.cache_isolation == "per-key" else None, requested)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

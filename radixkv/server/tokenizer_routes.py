@@ -7,11 +7,13 @@ generation prompt, as the chat endpoint builds its prompt) and answers `{"tokens
 "max_model_len"}`. `POST /detokenize` takes `{"model", "tokens"}` and answers `{"prompt"}`.
 `GET /tokenizer_info` describes the tokenizer: class, special tokens, chat template, vocabulary
 size, `max_model_len`. Like the `/v1` routes they need the API key when one is set, and a model
-without a tokenizer answers them with a 400.
+without a tokenizer answers them with a 400. Tokenizing and decoding run in worker threads, as the
+generation endpoints' do: a long text never holds the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,9 +64,10 @@ def add_tokenizer_routes(
             raise APIError.bad_request("prompt", "give either prompt or messages")
         if body.messages is not None:
             tools = template_tools(body.tools) if body.tools else None
-            ids = chat_prompt_ids(tok, body.messages, state.replies, tools=tools)
+            ids = await asyncio.to_thread(chat_prompt_ids, tok, body.messages, state.replies, tools=tools)
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=False)
+            # The method is looked up in the worker: a per-thread tokenizer gives that thread's copy.
+            ids = await asyncio.to_thread(lambda: tok.encode(body.prompt, add_special_tokens=False))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -76,7 +79,7 @@ def add_tokenizer_routes(
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError.bad_request("tokens", f"tokens must be token ids in [0, {vocab}), got {bad}")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(lambda: tok.decode(body.tokens))}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> dict:
