@@ -279,6 +279,25 @@ def test_per_key_isolation_keeps_each_keys_prompts_to_itself(model_folders):
         s.close()
 
 
+def test_tokenize_counts_a_chat_as_the_chat_endpoint_builds_it_for_the_same_key(model_folders):
+    """Under per-key isolation a known reply is spliced back as its generated ids only for its own
+    key: /tokenize builds the same prompt the chat endpoint runs for that key."""
+    s = Server(model_folders["llama"], api_key=["key-a", "key-b"], cache_isolation="per-key")
+    try:
+        a = s.client("key-a")
+        first = [{"role": "user", "content": "tell me"}]
+        reply = s.run(a.chat.completions.create(model="tiny", messages=first, max_tokens=8, temperature=0))
+        said = reply.choices[0].message.content
+        convo = [*first, {"role": "assistant", "content": said}, {"role": "user", "content": "more"}]
+        again = s.run(a.chat.completions.create(model="tiny", messages=convo, max_tokens=1))
+        counted = s.run(
+            s.http.post("/tokenize", json={"messages": convo}, headers={"authorization": "Bearer key-a"})
+        )
+        assert counted.json()["count"] == again.usage.prompt_tokens
+    finally:
+        s.close()
+
+
 def test_cached_tokens_count_only_the_salts_own_blocks(server):
     prompt = list(range(10, 50))
 
@@ -354,6 +373,7 @@ def test_the_tokenizer_routes_tokenize_and_decode_off_the_event_loop(server, mon
 
     threads = []
     real_own = PerThreadTokenizer.own
+
     def own(self):
         threads.append(threading.get_ident())
         return real_own(self)

@@ -177,7 +177,6 @@ def test_the_router_s_metrics_carry_each_live_replica_s_own_labelled_by_replica(
     assert engines == {"0", "1"}
 
 
-
 def test_a_body_over_the_limit_is_a_413_at_the_router_and_reaches_no_replica():
     replica = Scripted([ResponseHead(200, JSON), b"{}"])
     service = RouterService(Router("round-robin", 1, 64, 4), [replica], tokenizer=None, max_request_bytes=64)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixkv import AsyncEngine, EngineConfig
+from radixkv.model.loader import load_tokenizer
 from radixkv.server.app import build_app
 
 PROMPT = "The cat sat on the mat"
@@ -219,6 +220,7 @@ def test_tokenizer_endpoints_and_model_routes_in_vllm_shapes(model_folders):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
     assert info.json()["eos_token"] == "<|im_end|>" and "im_start" in info.json()["chat_template"]
+    assert info.json()["tokenizer_class"] == type(load_tokenizer(model_folders["llama"])).__name__
     assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
     assert missing.status_code == 404
     assert version.json()["version"]

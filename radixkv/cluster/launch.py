@@ -9,8 +9,9 @@ every replica takes the server's `--api-key`, `--cache-isolation`, `--max-reques
 `--max-waiting` (the router refuses an oversized body itself), closes chat sessions after
 `--session-idle-timeout`, and the router sends `DELETE /v1/sessions/{id}` to all of them. Each
 replica runs its engine core in its own process's thread (Ray supervises the replica), so
-`--no-engine-process` changes nothing here; `--graceful-timeout` does not apply either: Ray Serve
-shuts replicas down with its own grace period (20 s by default).
+`--no-engine-process` changes nothing here; `--graceful-timeout` (checked, as every server option
+is) does not apply either: Ray Serve shuts replicas down with its own grace period (20 s by
+default).
 SIGTERM or Ctrl-C shuts the application down.
 """
 

@@ -12,8 +12,10 @@ draws another's requests. A body that does not parse is routed with no key (to t
 replica), whose server answers it with the proper 400. Templates and tokenization run in worker
 threads, so one long prompt never holds the router's event loop.
 
-Hostile traffic: a body over `max_request_bytes` is a 413 at the router's door, before more of it
-is read or any of it reaches a replica (`radixkv.server.body`).
+Hostile traffic: a body over `max_request_bytes` is a 413 at the router's door, before the router
+reads more of it and before any of it reaches a replica (`radixkv.server.body`; behind Ray Serve,
+its HTTP proxy may still buffer what the client sends meanwhile). So a large body without a valid
+key is a 413 here where a single server answers 401 first: the replicas check keys.
 
 Faults. A replica that fails (`ReplicaFailed`: its process died, or it is unreachable) is taken
 out of routing at once, and `probe_all` brings it back when it answers again. Its prefix index
