@@ -152,6 +152,11 @@ def test_models_and_health_answer_through_the_router(client, base_url):
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=-1)
 
 
+def test_the_replicas_run_at_normal_priority(base_url):
+    """Ray would start them at niceness 15 (`WORKER_NICENESS` in `radixkv.cluster.launch`)."""
+    assert [os.getpriority(os.PRIO_PROCESS, replica_pid(r)) for r in (0, 1)] == [0, 0]
+
+
 def test_a_body_over_the_limit_is_a_413_at_the_router_and_at_each_replica(base_url):
     big = b'{"prompt": "' + b"x" * LIMIT + b'"}'
     routed = httpx.post(f"{base_url}/v1/completions", content=big, timeout=60)

@@ -31,6 +31,13 @@ another, and `serve.start` fails on the first one's death. A busy machine takes 
 start a Ray worker (seen with both cores of the development machine busy), so a local Ray
 instance started here allows a minute unless `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S` says."""
 
+WORKER_NICENESS = 0
+"""Ray starts its workers at niceness 15, and the engine replicas are workers: beside any process
+of normal priority they got about a thirtieth of its CPU share. With two busy loops on the
+development machine's two cores, the killed-replica test of `tests/test_cluster.py` took 500 s
+where it takes 27 s on the quiet machine. The replicas are the serving work, so a local Ray
+instance started here runs its workers at normal priority."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("replicas (needs the `cluster` extra: ray[serve])")
@@ -95,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
 
 def init_local_ray(num_cpus: int, **kwargs) -> None:
     """Starts a local Ray instance of `num_cpus` CPUs whose Serve proxy may take
-    `PROXY_READY_CHECK_TIMEOUT_S` to start; `kwargs` go to `ray.init`."""
+    `PROXY_READY_CHECK_TIMEOUT_S` to start and whose workers run at `WORKER_NICENESS` (unless
+    `RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S` or `RAY_worker_niceness` say otherwise); `kwargs` go
+    to `ray.init`."""
     import ray
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
+    os.environ.setdefault("RAY_worker_niceness", str(WORKER_NICENESS))
     ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)

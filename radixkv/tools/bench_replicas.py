@@ -46,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from radixkv.cluster.deployment import build_application
+    from radixkv.cluster.launch import init_local_ray
     from radixkv.tools.replay_http import Server, replay_url
 
     workload = read_workload(args.workload)
     config = EngineConfig(model=args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
     tokenizer = workload_tokenizer(workload, args.model)
     runs: dict[str, Any] = {"single engine": replay(workload, config, args.speed)}
-    ray.init(num_cpus=max(4, args.replicas + 1), include_dashboard=False, log_to_driver=False)
+    init_local_ray(max(4, args.replicas + 1), log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
