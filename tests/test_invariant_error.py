@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
 from radixkv import InvariantError
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache
+from radixkv.interpreter import python_argv
 
 CORRUPT_AND_CHECK = """
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache
@@ -32,7 +32,7 @@ else:
 
 
 def test_a_corrupted_pool_is_caught_even_under_python_dash_o():
-    argv = [sys.executable, "-O", "-c", CORRUPT_AND_CHECK]
+    argv = python_argv("-O", "-c", CORRUPT_AND_CHECK)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.startswith("caught: block ") and "refcount 2, but 1 references" in out.stdout, out
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from radixkv.kernels import copy_blocks, paged_attention, plan_paged_attention
 from radixkv.kernels.dispatch import interpreted
 from radixkv.kernels.reference import paged_attention_ref
+
+from radixkv.interpreter import python_argv
 
 
 def test_cpu_tensors_are_interpreted_and_cuda_tensors_compiled():
@@ -22,7 +23,7 @@ def test_cpu_tensors_are_interpreted_and_cuda_tensors_compiled():
 def test_importing_the_kernels_leaves_the_environment_alone():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import os, radixkv.kernels; print(os.environ.get('TRITON_INTERPRET'))"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    result = subprocess.run(python_argv("-c", code), env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "None"
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+from radixkv.engine_process.launcher import Launcher
+
 HEAVY = ("torch", "transformers", "triton")
 
 
@@ -87,3 +89,17 @@ def test_console_script_help_runs(tmp_path):
         [sys.executable, "-m", "radixkv.cli", "--help"], cwd=tmp_path, capture_output=True, text=True
     )
     assert result.returncode == 0 and "replay" in result.stdout
+
+
+def test_the_core_launcher_ignores_packages_in_the_working_directory(tmp_path, monkeypatch):
+    """A launcher started in a folder that holds a package named as one the engine imports (as a
+    checkout holds `kernels/`, which transformers 5.25 imports as Hugging Face's) imports the
+    installed one: the launcher reads its requests only after importing the engine, so at EOF it
+    exits 0, and 1 with a traceback had the folder's package been imported."""
+    fake = tmp_path / "transformers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('the working directory was on sys.path')\n")
+    monkeypatch.chdir(tmp_path)
+    launcher = Launcher()
+    launcher.process.stdin.close()
+    assert launcher.process.wait(timeout=300) == 0

@@ -10,7 +10,6 @@ launch_attention.
 import functools
 import os
 import subprocess
-import sys
 import threading
 from typing import NamedTuple
 
@@ -20,6 +19,8 @@ from radixkv.kernels import launch_plan, paged_attention
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
 from radixkv.kernels.paged_attention import launch_attention
 from radixkv.kernels.reference import paged_attention_ref
+
+from radixkv.interpreter import python_argv
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -295,5 +296,5 @@ def test_works_when_triton_was_imported_before_kernels() -> None:
         "torch.testing.assert_close(kernels.paged_attention(*args), paged_attention_ref(*args))\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    result = subprocess.run(python_argv("-c", script), env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

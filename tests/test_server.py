@@ -14,7 +14,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from radixkv.cli import main
+from radixkv.interpreter import python_argv
 from radixkv.tools.replay_http import Server
 from radixkv.workloads.format import Session, Turn, write_workload
 
@@ -49,7 +49,7 @@ def serve(
     """A `radixkv serve` process on a free port; yields its URL once /health answers, and on exit
     sends SIGTERM and (with `check_exit`) checks that it exits 0."""
     port = free_port()
-    argv = [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(folder), "--port", str(port)]
+    argv = python_argv("-m", "radixkv.cli", "serve", "--model", str(folder), "--port", str(port))
     argv += ["--block-size", str(BLOCK), "--kv-cache-memory", KV, *extra]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)

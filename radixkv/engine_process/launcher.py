@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 
+from radixkv.interpreter import python_argv
+
 REPORT = struct.Struct("<cqq")  # kind, pid, exit code
 LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 60.0  # a fork and its answer; the core's own start is CoreClient's to wait for
@@ -101,7 +103,7 @@ class Launcher:
         self.owner = os.getpid()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(reports_w)],
+                python_argv("-m", __name__, str(reports_w)),
                 stdin=subprocess.PIPE, pass_fds=(reports_w,),
             )
         except BaseException:

@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from radixkv.interpreter import python_argv
+
 DEFAULT_STREAMS = (16, 32, 128, 256)
 MODES = {"in-process": False, "core-process": True}
 PROMPT_TOKENS = 64
@@ -111,9 +113,9 @@ def measure(
         steps_path = Path(folder) / "steps.txt"
         port = _free_port()
         child = subprocess.Popen(
-            [sys.executable, "-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
+            python_argv("-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
              str(port), str(streams), str(tokens), str(device_ms), str(stats_path), str(steps_path),
-             str(int(engine_process)), ",".join(map(str, sorted(engine_cpus or ())))],
+             str(int(engine_process)), ",".join(map(str, sorted(engine_cpus or ())))),
             stdout=subprocess.DEVNULL,
         )
         try:
