@@ -8,6 +8,11 @@ postprocess, which gathers the rows its sampled sequences need and applies them 
 in one tensor operation (`radixkv.sampling.logits_processors.apply_token_bitmask`). A matcher in
 an error state gets a row that allows nothing, so its request (and only it) fails on the token it
 then draws.
+
+The rows are filled through `llguidance.numpy` (into the tensor's memory), not `llguidance.torch`:
+that module compiles a function with `torch.compile` when it is imported, which imports
+TorchDynamo, 3 s of every engine process's start on a 2-core CPU, for a function radixkv never
+calls.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 
@@ -54,7 +59,7 @@ class MaskFiller:
         bitmask = torch.zeros((len(matchers), self.words), dtype=torch.int32)
         live = [(m, i) for i, m in enumerate(matchers) if not m.is_error()]
         if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, bitmask.numpy())
         return bitmask
 
     def close(self) -> None:
