@@ -5,8 +5,13 @@ Why. `python -m` and `python -c` put the working directory first on a child's `s
 child started in a checkout of this repository would then import the checkout's top-level
 `kernels/` folder (the source of `radixkv.kernels`) wherever another package imports a top-level
 `kernels`: transformers 5.25 and later import Hugging Face's `kernels` package at startup, so
-every such child failed to import transformers. `-P` (Python 3.11 and later) leaves the working
+such a child would fail to import transformers. `-P` (Python 3.11 and later) leaves the working
 directory out; the child finds radixkv where it is installed, as any other package.
+
+Only children started through `python_argv` are covered. Ray adds its driver's working directory
+to every replica's path, and a process started as `python -m` or `-c` in the checkout (a user's
+front end, and the tensor-parallel workers and cores that take its path) has it too, so
+`pyproject.toml` keeps transformers below 5.25.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 Run in a subprocess outside the repository folder, so that the checkout's top-level `kernels/`
 and `scheduler/` folders cannot be found through the working directory: what is checked is what
-`pip install` made.
+`pip install` made. The engine's own children start without the working directory on their path.
 """
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from radixkv.engine_process.launcher import Launcher
 
@@ -91,15 +93,21 @@ def test_console_script_help_runs(tmp_path):
     assert result.returncode == 0 and "replay" in result.stdout
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is Python 3.11's")
 def test_the_core_launcher_ignores_packages_in_the_working_directory(tmp_path, monkeypatch):
-    """A launcher started in a folder that holds a package named as one the engine imports (as a
-    checkout holds `kernels/`, which transformers 5.25 imports as Hugging Face's) imports the
-    installed one: the launcher reads its requests only after importing the engine, so at EOF it
-    exits 0, and 1 with a traceback had the folder's package been imported."""
-    fake = tmp_path / "transformers"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('the working directory was on sys.path')\n")
+    """A launcher started in a folder that holds packages named as ones it imports (as a checkout
+    holds `kernels/`, which transformers 5.25 imports as Hugging Face's) imports the installed
+    ones: it imports the engine before it reads a request, so at EOF it exits 0, and 1 with a
+    traceback had it imported the folder's `radixkv` or `transformers`."""
+    for name in ("radixkv", "transformers"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} from the folder')\n")
     monkeypatch.chdir(tmp_path)
     launcher = Launcher()
-    launcher.process.stdin.close()
-    assert launcher.process.wait(timeout=300) == 0
+    try:
+        launcher.process.stdin.close()
+        assert launcher.process.wait(timeout=300) == 0
+    finally:
+        launcher.process.kill()
+        launcher.process.wait()
+        launcher._reader.join(timeout=30)

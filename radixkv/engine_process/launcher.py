@@ -6,7 +6,8 @@ build a core (5.7 s a start on this project's 2-core CI machine, most of a test 
 The front end cannot fork itself (its threads may hold locks a child would inherit), and
 multiprocessing's forkserver imports the caller's main module again in every child, which runs a
 script without a `__main__` guard twice. So a front end starts one launcher
-(`python -m radixkv.engine_process.launcher`) at its first core and keeps it: the launcher
+(`python -P -m radixkv.engine_process.launcher`: see `radixkv.interpreter`) at its first core
+and keeps it: the launcher
 imports the core's modules, then serves requests one at a time. Each request carries the front
 end's working directory, environment and `sys.path` (so a core sees what a fresh child would)
 and the core's arguments; the launcher forks, the child becomes the core
