@@ -7,12 +7,19 @@ on the CPU the interpreter. So a CPU engine and a GPU engine can live in one pro
 needs no setting, and nothing changes the environment at import. TRITON_INTERPRET=1, set before
 radixkv is imported, still interprets every launch (the interpreter reads CUDA tensors through host
 copies), as Triton's own switch does.
+
+Interpreted launches over CPU tensors run on one thread of their own (`_ShallowStackThread` says
+why: the interpreter's Python calls would otherwise map memory at every op at some caller depths).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -41,7 +48,10 @@ class DualKernel:
         self.interpreted = InterpretedFunction(fn)
 
     def on(self, device: torch.device) -> Any:
-        return self.interpreted if interpreted(device) else self.compiled
+        if not interpreted(device):
+            return self.compiled
+        # CUDA tensors under TRITON_INTERPRET=1 stay on the caller's thread, and so on its stream
+        return _FromShallowStack(self.interpreted) if device.type == "cpu" else self.interpreted
 
 
 def dual_jit(*, do_not_specialize: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], DualKernel]:
@@ -60,3 +70,60 @@ def launch_guard() -> threading.Lock:
     @triton.jit ?"), and so would a compile in another thread. Uncontended in a GPU-only process
     (about 0.1 us); a CUDA graph replay takes no lock."""
     return _LAUNCH_LOCK
+
+
+class _FromShallowStack:
+    """An interpreted kernel whose launches run on `_SHALLOW_STACK`'s thread: `kernel[grid](...)`."""
+
+    def __init__(self, kernel: InterpretedFunction) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return functools.partial(_SHALLOW_STACK.run, self.kernel[grid])
+
+
+class _ShallowStackThread:
+    """Runs interpreted launches, one at a time, on a thread whose Python stack starts empty.
+
+    Why: CPython up to 3.12 (and 3.13 before its fix of gh-142183) keeps a thread's frames in
+    16 KiB chunks and unmaps a chunk as soon as its frames return, so a call that crosses a
+    chunk's end maps a new one each time. The interpreter makes a few Python calls per op of a
+    kernel; when the caller's stack happens to end near a chunk's end (a test under pytest's
+    frames, a step under a server's), every op maps and unmaps a chunk: up to 75,000 page faults
+    in one 8-step `generate` of a tiny model, measured here, where other depths had none. A
+    thread's first chunk is never unmapped and holds a whole launch, so from this thread no op
+    crosses a chunk, whatever the caller's depth. The caller's grad and inference modes (per
+    thread in torch) go with each launch; a forked child starts a thread of its own.
+    """
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+
+    def run(self, launch: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._pid != os.getpid():
+            self._pid, self._calls = os.getpid(), queue.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(self._calls,), name="radixkv-interpreter")
+            thread.daemon = True  # idle between launches; nothing of its own to finish at exit
+            thread.start()
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def call() -> Any:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return launch(*args, **kwargs)
+
+        done: Future = Future()
+        self._calls.put((done, call))
+        return done.result()
+
+    @staticmethod
+    def _serve(calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]]) -> None:
+        while True:
+            done, call = calls.get()
+            try:
+                done.set_result(call())
+            except BaseException as error:  # raised again in the caller, by `done.result()`
+                done.set_exception(error)
+
+
+_SHALLOW_STACK = _ShallowStackThread()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import subprocess
+import time
 
 import pytest
 import torch
-from radixkv.kernels import copy_blocks, paged_attention, plan_paged_attention
+from radixkv.kernels import copy_blocks, paged_attention, plan_paged_attention, store_kv
 from radixkv.kernels.dispatch import interpreted
 from radixkv.kernels.reference import paged_attention_ref
 
@@ -53,3 +56,55 @@ def test_an_index_tensor_with_gaps_is_refused():
     ids = torch.tensor([[1, 5], [2, 6]]).t()  # rows of a transposed tensor: stride 2
     with pytest.raises(ValueError, match="src must be contiguous"):
         copy_blocks(k_cache, v_cache, ids[0], torch.tensor([3, 4]))
+
+
+def _at_depth(depth: int, call):
+    return call() if depth == 0 else _at_depth(depth - 1, call)
+
+
+def test_an_interpreted_launch_maps_no_stack_chunk_per_op_from_any_caller_depth():
+    """CPython before 3.13's fix of gh-142183 unmaps a chunk of a thread's frame stack whenever the
+    frames in it return. The interpreter makes Python calls at every op of a kernel, so a launch
+    from a caller whose stack ends near a chunk's end mapped and unmapped a chunk per op: thousands
+    of page faults a launch at some depths. Launches run on a thread of their own, so at every
+    depth of the caller (one 16 KiB chunk's worth of frames, and more) a launch takes few."""
+    generator = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(12, 4, 2, 16, generator=generator) for _ in range(2))
+    block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
+    args = (
+        torch.randn(6, 4, 16, generator=generator), k_cache, v_cache, block_table,
+        torch.tensor([13, 6], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32),
+    )
+    expected = paged_attention_ref(*args)
+    paged_attention(*args)  # the first launch in a process starts the thread
+    faults = {}
+    for depth in range(0, 240, 3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = _at_depth(depth, lambda: paged_attention(*args))
+        faults[depth] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        torch.testing.assert_close(out, expected)
+    worst = max(faults, key=faults.get)
+    assert faults[worst] < 150, f"{faults[worst]} page faults in a launch from depth {worst}"
+
+
+def test_a_forked_child_launches_on_a_thread_of_its_own():
+    """The launching thread does not survive a fork: the child starts its own instead of queueing
+    launches for a thread that is not there."""
+    k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    k, v = torch.ones(3, 2, 16), torch.ones(3, 2, 16)
+    store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2]))  # the parent's thread is up
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only after a launch that wrote what it must
+        try:
+            store_kv(k, v, k_cache, v_cache, torch.tensor([5, 6, 7]))
+            os._exit(0 if k_cache[1, 1:].eq(1).all() and k_cache[1, 0].eq(0).all() else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's launch never returned")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status[1]) == 0
