@@ -9,6 +9,7 @@ reference is never written in place: the writer takes a private copy first (copy
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 
 class OutOfBlocks(RuntimeError):
@@ -53,20 +54,33 @@ class BlockPool:
         return blocks
 
     def incref(self, block: int) -> None:
-        if self._refcount[block] == 0:
-            raise ValueError(f"block {block} is free; allocate it before sharing it")
-        self._refcount[block] += 1
+        self.incref_all((block,))
 
     def decref(self, block: int) -> bool:
         """Drops one reference; returns True when that freed the block."""
-        count = self._refcount[block]
-        if count == 0:
-            raise ValueError(f"block {block} is already free")
-        self._refcount[block] = count - 1
-        if count == 1:
-            self._free.append(block)
-            return True
-        return False
+        return self.decref_all((block,)) == 1
+
+    def incref_all(self, blocks: Iterable[int]) -> None:
+        """`incref` of every block in one call: a long prompt's match shares thousands at once."""
+        refcount = self._refcount
+        for b in blocks:
+            if refcount[b] == 0:
+                raise ValueError(f"block {b} is free; allocate it before sharing it")
+            refcount[b] += 1
+
+    def decref_all(self, blocks: Iterable[int]) -> int:
+        """`decref` of every block in one call; returns how many that freed."""
+        refcount, free = self._refcount, self._free
+        freed = 0
+        for b in blocks:
+            count = refcount[b]
+            if count == 0:
+                raise ValueError(f"block {b} is already free")
+            refcount[b] = count - 1
+            if count == 1:
+                free.append(b)
+                freed += 1
+        return freed
 
     def free_blocks(self) -> list[int]:
         return list(self._free)

@@ -211,8 +211,7 @@ class KVCacheManager:
             if fetched:
                 match = self.cache.match_prefix(keys, session)
         self.cache.inc_lock(match.node)
-        for b in match.blocks:
-            self.pool.incref(b)
+        self.pool.incref_all(match.blocks)
         blocks, loaded = list(match.blocks), match.host_tokens
         extra = []
         for window, e in zip(self.windows, match.extra, strict=True):
@@ -220,8 +219,7 @@ class KVCacheManager:
             # table's freed entries are always its leading ones (`release_windows`)
             keep = 0 if window is None else sliding_keep_from(match.num_tokens, window, self.block_size)
             extra.append([self.null_block] * keep + e[keep:])
-            for b in e[keep:]:
-                self.pool.incref(b)
+            self.pool.incref_all(e[keep:])
             self.cache.touch_stale(e[keep:])
         table = BlockTable(
             blocks, match.num_tokens, match.node, owner, session, num_loaded_tokens=loaded,
@@ -364,13 +362,10 @@ class KVCacheManager:
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second holder of the same KV (a beam, a parallel sample): shares every block."""
-        for b in table.blocks:
-            self.pool.incref(b)
+        self.pool.incref_all(table.blocks)
         null = self.null_block
         for e in table.extra:
-            for b in e:
-                if b != null:
-                    self.pool.incref(b)
+            self.pool.incref_all(b for b in e if b != null)
         if table.node is not None:
             self.cache.inc_lock(table.node)
         copy = BlockTable(
@@ -380,14 +375,11 @@ class KVCacheManager:
         return self._register(copy)
 
     def release(self, table: BlockTable) -> None:
-        for b in table.blocks:
-            self.pool.decref(b)
+        self.pool.decref_all(table.blocks)
         if table.extra:
             null = self.null_block
             for e in table.extra:
-                for b in e:
-                    if b != null:
-                        self.pool.decref(b)
+                self.pool.decref_all(b for b in e if b != null)
             table.extra = [[] for _ in self.windows]
         if table.node is not None:
             self.cache.dec_lock(table.node)

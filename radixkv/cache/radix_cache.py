@@ -323,8 +323,7 @@ class RadixCache:
             self.num_fetched += len(run)
             end = (start + len(run)) * B
             self._insert(tokens[:end], self._path_blocks(match.node) + blocks, session, save=False)
-            for b in blocks:  # the tree holds its own; a block it declined (a collision) is free
-                self.pool.decref(b)
+            self.pool.decref_all(blocks)  # the tree holds its own; a block it declined (a collision) is free
         self.dec_lock(match.node)
         return len(run) * B
 
@@ -1071,7 +1070,7 @@ class RadixCache:
             del self._node_of[b]
         self.evictable_size -= len(node.blocks)
         self.num_evicted += len(node.blocks)
-        return sum(self.pool.decref(b) for b in node.blocks)
+        return self.pool.decref_all(node.blocks)
 
     def _allocate_host(self, n: int) -> list[int] | None:
         """`n` host blocks, evicting host copies by the host policy; None when not possible."""
@@ -1153,8 +1152,7 @@ class RadixCache:
         B = self.block_size
         for h in reversed(path):
             own = blocks[h.start // B : h.start // B + len(h.host_blocks)]
-            for b in own:
-                self.pool.incref(b)
+            self.pool.incref_all(own)
             self._set_device_blocks(h, own)
 
     def _set_device_blocks(self, node: RadixNode, blocks: list[int]) -> None:
