@@ -709,7 +709,10 @@ class RadixCache:
         head = tokens[pos : pos + B]
         child = node.children.get(block_key(head))
         if child is not None and child.tokens[:B] == head:
-            return child, len(head) + _common_len(child.tokens, len(head), tokens, pos + len(head), B)
+            edge = child.tokens
+            if tokens[pos : pos + len(edge)] == edge:  # the whole edge, as on most of a long match's path
+                return child, len(edge)
+            return child, len(head) + _common_len(edge, len(head), tokens, pos + len(head), B)
         best, best_len = None, 0
         for cand in node.by_first.get(tokens[pos], ()):
             k = _common_len(cand.tokens, 0, tokens, pos, B, limit=B)

@@ -116,7 +116,8 @@ class HashIdTokens:
         return cached
 
     def tokens(self, hash_ids: tuple[int, ...] | list[int]) -> list[int]:
-        out: list[int] = []
+        """The ids' runs end to end; a request of a long trace has thousands of ids, most seen before."""
+        memo, out = self._memo, []
         for hash_id in hash_ids:
-            out.extend(self.run(hash_id))
+            out.extend(memo.get(hash_id) or self.run(hash_id))
         return out
