@@ -93,7 +93,8 @@ class _ShallowStackThread:
     in one 8-step `generate` of a tiny model, measured here, where other depths had none. A
     thread's first chunk is never unmapped and holds a whole launch, so from this thread no op
     crosses a chunk, whatever the caller's depth. The caller's grad and inference modes (per
-    thread in torch) go with each launch; a forked child starts a thread of its own.
+    thread in torch) go with each launch; a forked child starts a thread of its own. Callers hold
+    `launch_guard()`, so one launch at a time reaches `run` and only the first starts the thread.
     """
 
     def __init__(self) -> None:
