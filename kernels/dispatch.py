@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
@@ -85,21 +85,27 @@ class _FromShallowStack:
 class _ShallowStackThread:
     """Runs interpreted launches, one at a time, on a thread whose Python stack starts empty.
 
-    Why: CPython up to 3.12 (and 3.13 before its fix of gh-142183) keeps a thread's frames in
+    Why: CPython 3.11 and 3.12 (and 3.13 before its fix of gh-142183) keep a thread's frames in
     16 KiB chunks and unmaps a chunk as soon as its frames return, so a call that crosses a
     chunk's end maps a new one each time. The interpreter makes a few Python calls per op of a
     kernel; when the caller's stack happens to end near a chunk's end (a test under pytest's
     frames, a step under a server's), every op maps and unmaps a chunk: up to 75,000 page faults
     in one 8-step `generate` of a tiny model, measured here, where other depths had none. A
-    thread's first chunk is never unmapped and holds a whole launch, so from this thread no op
-    crosses a chunk, whatever the caller's depth. The caller's grad and inference modes (per
-    thread in torch) go with each launch; a forked child starts a thread of its own. Callers hold
-    `launch_guard()`, so one launch at a time reaches `run` and only the first starts the thread.
+    thread's first chunk is never unmapped, and it was measured to hold every launch of these
+    kernels (`tests/test_kernel_dispatch.py`), so from this thread no op crosses a chunk, whatever
+    the caller's depth.
+
+    The caller's grad and inference modes (per thread in torch) go with each launch; a forked
+    child starts a thread of its own. Callers hold `launch_guard()`, so one launch at a time
+    reaches `run` and only the first starts the thread. A caller interrupted while it waits (a
+    KeyboardInterrupt) waits on for the launch to end before it raises, so that nothing it does
+    next races the kernel over its tensors. The thread drops each launch as soon as it has run:
+    an idle thread holds no tensor of a closed engine.
     """
 
     def __init__(self) -> None:
         self._pid: int | None = None
-        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]] | None = None
 
     def run(self, launch: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._pid != os.getpid():
@@ -115,7 +121,13 @@ class _ShallowStackThread:
 
         done: Future = Future()
         self._calls.put((done, call))
-        return done.result()
+        try:
+            return done.result()
+        except BaseException:
+            wait([done])  # returns at once when the launch itself raised
+            raise
+        finally:
+            del done  # an exception's frames hold this frame, which would hold it: a cycle
 
     @staticmethod
     def _serve(calls: queue.SimpleQueue[tuple[Future, Callable[[], Any]]]) -> None:
@@ -125,6 +137,7 @@ class _ShallowStackThread:
                 done.set_result(call())
             except BaseException as error:  # raised again in the caller, by `done.result()`
                 done.set_exception(error)
+            del done, call
 
 
 _SHALLOW_STACK = _ShallowStackThread()

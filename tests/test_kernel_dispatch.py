@@ -6,12 +6,14 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
+import weakref
 
 import pytest
 import torch
 from radixkv.kernels import copy_blocks, paged_attention, plan_paged_attention, store_kv
-from radixkv.kernels.dispatch import interpreted
+from radixkv.kernels.dispatch import _SHALLOW_STACK, interpreted
 from radixkv.kernels.reference import paged_attention_ref
 
 from radixkv.interpreter import python_argv
@@ -79,12 +81,70 @@ def test_an_interpreted_launch_maps_no_stack_chunk_per_op_from_any_caller_depth(
     paged_attention(*args)  # the first launch in a process starts the thread
     faults = {}
     for depth in range(0, 240, 3):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        out = _at_depth(depth, lambda: paged_attention(*args))
-        faults[depth] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        torch.testing.assert_close(out, expected)
+        counts = []
+        for _ in range(2):  # the fewer of two: a thrash repeats at its depth, another thread's faults not
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            out = _at_depth(depth, lambda: paged_attention(*args))
+            counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            torch.testing.assert_close(out, expected)
+        faults[depth] = min(counts)
     worst = max(faults, key=faults.get)
     assert faults[worst] < 150, f"{faults[worst]} page faults in a launch from depth {worst}"
+
+
+def test_the_launching_thread_keeps_no_tensor_of_a_finished_launch():
+    """A closed engine's KV cache is freed by close(), not by the next launch: the idle thread
+    holds nothing of the last one, neither after a launch that ran nor after one that raised."""
+    k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    store_kv(torch.ones(3, 2, 16), torch.ones(3, 2, 16), k_cache, v_cache, torch.tensor([0, 1, 2]))
+    assert k_cache[0, :3].eq(1).all()
+    cache = weakref.ref(k_cache)
+    del k_cache, v_cache
+    assert cache() is None, "the launching thread still holds the last launch's cache"
+
+    def failing(tensor: torch.Tensor) -> None:
+        raise RuntimeError(f"launch over {tuple(tensor.shape)} failed")
+
+    tensor = torch.zeros(8)
+    with pytest.raises(RuntimeError, match=r"launch over \(8,\) failed"):
+        _SHALLOW_STACK.run(failing, tensor)
+    held = weakref.ref(tensor)
+    del tensor
+    assert held() is None, "the launching thread still holds a failed launch's tensor"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_caller_raises_only_after_its_launch_ends():
+    """A signal's exception in a waiting caller (Ctrl-C) is raised once the launch has ended, so that
+    what the caller does next cannot race the kernel over its tensors."""
+    started, interrupted, release, finished = (threading.Event() for _ in range(4))
+
+    def launch() -> None:
+        started.set()
+        release.wait(60)
+        finished.set()
+
+    def on_signal(signum, frame) -> None:
+        interrupted.set()
+        raise Interrupted
+
+    def interrupt() -> None:
+        started.wait(60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        interrupted.wait(60)  # the caller has the exception in hand; only now may the launch end
+        release.set()
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(Interrupted):
+            _SHALLOW_STACK.run(launch)
+        assert finished.is_set(), "the caller raised while its launch still ran"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_a_forked_child_launches_on_a_thread_of_its_own():

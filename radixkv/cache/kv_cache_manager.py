@@ -424,8 +424,7 @@ class KVCacheManager:
         """Forgets the pending copy-on-write copies (a failed step), dropping their source
         references. Offloads and loads stay queued: the tree already counts on them."""
         for t in self.transfers.drop(TransferKind.COPY):
-            for b in t.src:
-                self.pool.decref(b)
+            self.pool.decref_all(t.src)
 
     def num_live_tables(self) -> int:
         return sum(len(tables) for tables in self._live.values())
@@ -497,8 +496,7 @@ class KVCacheManager:
                 mover.fetch(t.src, t.dst)
             queue.pop_first()
             if t.kind is TransferKind.COPY:
-                for b in t.src:
-                    self.pool.decref(b)
+                self.pool.decref_all(t.src)
 
     @property
     def pending_copies(self) -> list[tuple[int, int]]:

@@ -432,8 +432,8 @@ class RadixCache:
                 freed += self._move_to_host(leaf)
                 continue
             self._forget_partial(leaf)  # its last block is among those taken
+            freed += self.pool.decref_all(leaf.blocks[keep:])
             for block in leaf.blocks[keep:]:
-                freed += self.pool.decref(block)
                 del self._node_of[block]
             self.evictable_size -= take
             self.num_evicted += take
@@ -776,8 +776,8 @@ class RadixCache:
         node.session = session
         self._link(parent, node, key)
         parent.device_children += 1
+        self.pool.incref_all(blocks)
         for b in blocks:
-            self.pool.incref(b)
             self._node_of[b] = node
         self.evictable_size += len(blocks)
         node.extra = [list(e) for e in extra]
@@ -810,8 +810,8 @@ class RadixCache:
             del self._node_of[leaf.blocks[-1]]
             leaf.blocks[-1] = blocks[0]
             self._node_of[blocks[0]] = leaf
+        self.pool.incref_all(blocks[1:])
         for b in blocks[1:]:
-            self.pool.incref(b)
             self._node_of[b] = leaf
         leaf.blocks.extend(blocks[1:])
         for mine, theirs in zip(leaf.extra, extra, strict=True):
@@ -1098,8 +1098,8 @@ class RadixCache:
             self._remove(node)
 
     def _free_host_copy(self, node: RadixNode) -> None:
-        for b in node.host_blocks:
-            self.host.pool.decref(b)
+        if node.host_blocks:  # none without a host tier
+            self.host.pool.decref_all(node.host_blocks)
         node.host_blocks = []
 
     def _drop_subtree(self, node: RadixNode) -> int:

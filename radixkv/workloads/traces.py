@@ -119,5 +119,6 @@ class HashIdTokens:
         """The ids' runs end to end; a request of a long trace has thousands of ids, most seen before."""
         memo, out = self._memo, []
         for hash_id in hash_ids:
-            out.extend(memo.get(hash_id) or self.run(hash_id))
+            run = memo.get(hash_id)
+            out.extend(self.run(hash_id) if run is None else run)
         return out
