@@ -179,16 +179,28 @@ def replica_metric(name: str, replica: int) -> float:
 
 def replica_pid(replica: int) -> int:
     """The process of replica `replica`'s engine: Ray titles each actor's worker process after its
-    class and deployment (`ray::ServeReplica:radixkv:engine-1`)."""
+    class and deployment (`ray::ServeReplica:radixkv:engine-1`). Only this test's cluster counts,
+    whose processes descend from this one (its raylet is our child): another run's replicas on the
+    same machine bear the same title."""
     title = f"ServeReplica:radixkv:engine-{replica}".encode()
-    found = []
+    parent, found = {}, []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and title in Path(f"/proc/{entry}/cmdline").read_bytes():
-                found.append(int(entry))
+            if entry.isdigit():
+                parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if title in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
         except OSError:  # a process that ended while we looked
             pass
-    (pid,) = found
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    (pid,) = [p for p in found if ours(p)]
     return pid
 
 

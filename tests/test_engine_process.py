@@ -536,9 +536,9 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
         for lines in streams:
             assert lines[-1] == "data: [DONE]"
             assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "engine_dead"
-        rc = proc.wait(timeout=10)
+        rc = proc.wait(timeout=30)  # its streams ended within 3 s, above; exiting may take longer under load
         assert rc != 0
-        wait_for(lambda: gone(core) and gone(launcher), 10, "the core or its launcher did not exit")
+        wait_for(lambda: gone(core) and gone(launcher), 30, "the core or its launcher did not exit")
     assert "the engine died" in (tmp_path / "serve.log").read_text()
 
 
