@@ -86,7 +86,7 @@ class _ShallowStackThread:
     """Runs interpreted launches, one at a time, on a thread whose Python stack starts empty.
 
     Why: CPython 3.11 and 3.12 (and 3.13 before its fix of gh-142183) keep a thread's frames in
-    16 KiB chunks and unmaps a chunk as soon as its frames return, so a call that crosses a
+    16 KiB chunks and unmap a chunk as soon as its frames return, so a call that crosses a
     chunk's end maps a new one each time. The interpreter makes a few Python calls per op of a
     kernel; when the caller's stack happens to end near a chunk's end (a test under pytest's
     frames, a step under a server's), every op maps and unmaps a chunk: up to 75,000 page faults

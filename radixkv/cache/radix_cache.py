@@ -1098,7 +1098,7 @@ class RadixCache:
             self._remove(node)
 
     def _free_host_copy(self, node: RadixNode) -> None:
-        if node.host_blocks:  # none without a host tier
+        if node.host_blocks:  # without a host tier there are none, and no `self.host`
             self.host.pool.decref_all(node.host_blocks)
         node.host_blocks = []
 
