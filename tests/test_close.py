@@ -19,9 +19,9 @@ import threading
 
 import httpx
 import pytest
+from processes import processes
 
 from radixkv import AsyncEngine, Engine, EngineConfig, SamplingParams
-from radixkv.interpreter import python_argv
 from radixkv.server.app import build_app
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_seqs": 4}
@@ -31,15 +31,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def snapshot() -> tuple[int, int, int, int]:
     """(threads, open file descriptors, child processes, RSS bytes), after a collection."""
     gc.collect()
-    pid = str(os.getpid())
-    children = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    children += stat.read().rsplit(")", 1)[1].split()[1] == pid
-            except OSError:  # it exited while we looked
-                pass
+    children = sum(parent == os.getpid() for _, parent in processes().values())  # zombies too
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return threading.active_count(), len(os.listdir("/proc/self/fd")), children, rss
@@ -86,9 +78,9 @@ def count(folder: str) -> dict[str, tuple[int, int, int, int]]:
 
 @pytest.mark.slow
 def test_closing_engines_and_servers_returns_every_resource(model_folders):
-    result = subprocess.run(
-        python_argv(__file__, str(model_folders["llama"])), capture_output=True, text=True, timeout=600
-    )
+    # A script's own folder leads its `sys.path`: the count imports `processes` from here, as pytest does.
+    argv = [sys.executable, __file__, str(model_folders["llama"])]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     counted = json.loads(result.stdout.splitlines()[-1])
     (threads, fds, children, rss), after = counted["before"], counted["after"]

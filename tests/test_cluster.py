@@ -5,6 +5,7 @@ each test then takes a few seconds. Marked `cluster`: CI installs Ray with the t
 runs it; `-m "not cluster"` leaves it out.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import processes
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -183,19 +185,16 @@ def replica_pid(replica: int) -> int:
     whose processes descend from this one (its raylet is our child): another run's replicas on the
     same machine bear the same title."""
     title = f"ServeReplica:radixkv:engine-{replica}".encode()
-    parent, found = {}, []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit():
-                parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                if title in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-        except OSError:  # a process that ended while we looked
-            pass
+    parents = {pid: parent for pid, (_, parent) in processes().items()}
+    found = []
+    for pid in parents:
+        with contextlib.suppress(OSError):  # it ended while we looked
+            if title in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
 
     def ours(pid: int) -> bool:
         while pid > 1:
-            pid = parent.get(pid, 0)
+            pid = parents.get(pid, 0)
             if pid == os.getpid():
                 return True
         return False

@@ -9,7 +9,6 @@ in test_engine.py). Every wait has a deadline that fails the test.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +21,7 @@ import msgspec
 import pytest
 import zmq
 from core_faults import POISON, forbid_decoding
+from processes import children, exited
 from radixkv.scheduler.request import Status
 from test_server import serve
 
@@ -43,31 +43,11 @@ LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 SERVE = ("--graceful-timeout", "2")
 
 
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-                if fields[1] == str(pid) and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
-
-
 def launcher_and_core(server_pid: int) -> tuple[int, int]:
     """The server's one child, the launcher that forks cores, and the core it forked."""
     (launcher,) = children(server_pid)
     (core,) = children(launcher)
     return launcher, core
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is gone, unreaped
-    except OSError:
-        return True
 
 
 def wait_for(done, timeout_s: float, what: str) -> None:
@@ -385,7 +365,7 @@ def test_each_core_is_forked_in_the_callers_directory_and_environment(model_fold
     want = [(str(tmp_path / "0"), "mark 0"), (str(tmp_path / "1"), "mark 1")]
     assert [(s["cwd"], s["mark"]) for s in seen] == want
     assert seen[0]["pid"] != seen[1]["pid"] != os.getpid()
-    assert gone(seen[0]["pid"]) and gone(seen[1]["pid"])
+    assert exited(seen[0]["pid"]) and exited(seen[1]["pid"])
 
 
 def test_a_core_outlives_its_killed_launcher_and_the_next_core_gets_a_new_one(model_folders):
@@ -538,7 +518,7 @@ def test_kill_9_of_the_core_ends_every_stream_with_an_error_and_the_server_exits
             assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "engine_dead"
         rc = proc.wait(timeout=30)  # its streams ended within 3 s, above; exiting may take longer under load
         assert rc != 0
-        wait_for(lambda: gone(core) and gone(launcher), 30, "the core or its launcher did not exit")
+        wait_for(lambda: exited(core) and exited(launcher), 30, "the core or its launcher did not exit")
     assert "the engine died" in (tmp_path / "serve.log").read_text()
 
 
@@ -550,7 +530,7 @@ def test_sigterm_stops_the_core_and_leaves_no_process(model_folders, tmp_path):
         assert reply.status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        wait_for(lambda: gone(core) and gone(launcher), 10, "the core or its launcher did not exit")
+        wait_for(lambda: exited(core) and exited(launcher), 10, "the core or its launcher did not exit")
 
 
 @pytest.mark.slow  # a server process of its own: beyond the fast tier's one smoke test
@@ -559,4 +539,4 @@ def test_a_core_whose_server_is_killed_exits_by_itself(model_folders, tmp_path):
         launcher, core = launcher_and_core(proc.pid)
         proc.kill()
         proc.wait(timeout=10)
-        wait_for(lambda: gone(core) and gone(launcher), 10, "the orphaned core or launcher did not exit")
+        wait_for(lambda: exited(core) and exited(launcher), 10, "the orphaned core or launcher did not exit")

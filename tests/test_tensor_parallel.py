@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_SIZES
+from processes import children
 from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
@@ -60,6 +61,7 @@ def engine_pair(
 
 
 def gone(pid: int) -> bool:
+    """Exited and reaped: a worker or core that its parent never joined stays as a zombie, and counts."""
     return not Path(f"/proc/{pid}").exists()
 
 
@@ -163,19 +165,6 @@ def test_abort_and_prefix_hits_match_one_rank(llama) -> None:
     assert expected[2][-1] >= len(shared) - BLOCK  # the last prompt hits the shared prefix
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if stat.read().rsplit(")", 1)[1].split()[1] == str(pid):
-                        found.append(int(entry))
-            except OSError:  # it exited while we looked
-                pass
-    return found
-
-
 def test_a_core_in_its_own_process_runs_two_ranks_and_stops_them(llama, model_folders) -> None:
     """`AsyncEngine`'s core process owns the tensor-parallel workers: outputs equal the
     single-rank engine's, and shutting down leaves neither the core nor a worker behind."""
@@ -195,7 +184,7 @@ def test_a_core_in_its_own_process_runs_two_ranks_and_stops_them(llama, model_fo
             assert [o.token_ids for o in outs] == expected
             engine.check_invariants()
             core = engine.core.pid
-            return core, children_of(core)
+            return core, children(core)
         finally:
             await engine.shutdown()
 
