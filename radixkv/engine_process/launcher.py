@@ -7,12 +7,11 @@ The front end cannot fork itself (its threads may hold locks a child would inher
 multiprocessing's forkserver imports the caller's main module again in every child, which runs a
 script without a `__main__` guard twice. So a front end starts one launcher
 (`python -P -m radixkv.engine_process.launcher`: see `radixkv.interpreter`) at its first core
-and keeps it: the launcher
-imports the core's modules, then serves requests one at a time. Each request carries the front
-end's working directory, environment and `sys.path` (so a core sees what a fresh child would)
-and the core's arguments; the launcher forks, the child becomes the core
-(`core_process.main`), and the launcher answers with the child's pid. It reaps its children and
-reports each exit status, which `CoreHandle` shows as `subprocess.Popen` shows a child's.
+and keeps it: the launcher imports the core's modules, then serves requests one at a time. Each
+request carries the front end's working directory, environment and `sys.path` (so a core sees
+what a fresh child would) and the core's arguments; the launcher forks, the child becomes the
+core (`core_process.main`), and the launcher answers with the child's pid. It reaps its children
+and reports each exit status, which `CoreHandle` shows as `subprocess.Popen` shows a child's.
 
 Lifetime. The launcher ignores SIGINT and SIGTERM, as cores do (the front end stops its cores in
 order), and ends at EOF on its request pipe: when the front end exits, however it dies (a child
