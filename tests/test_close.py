@@ -8,9 +8,9 @@ heap grew by up to 15% over the same 20 engines; in a fresh interpreter warmed b
 and two servers, by about 3%.
 
 RSS is read after `malloc_trim(0)`, which hands the free pages in glibc's arenas back to the
-system: how many it keeps depends on how threads interleaved, so on the machine's load. Without
-it the same count, under two busy loops, grew by 3% in three runs out of four and by 9% and 12%
-in others; with it, by 3.7% in each of four."""
+system: how many it keeps depends on how threads interleaved, so on the machine's load. Under two
+busy loops, without the trim, the same count grew by 2.7% in three runs of four, by 9.4% in the
+fourth and by 12% in a CI run; with it, by 3.7% in each of four."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def count(folder: str) -> dict[str, tuple[int, int, int, int]]:
 
 @pytest.mark.slow
 def test_closing_engines_and_servers_returns_every_resource(model_folders):
-    # A script's own folder leads its `sys.path`: the count imports `processes` from here, as pytest does.
+    # Not `python -P`: a script's own folder leads its `sys.path`, so the count imports `processes`.
     argv = [sys.executable, __file__, str(model_folders["llama"])]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
