@@ -37,3 +37,9 @@ def exited(pid: int) -> bool:
         return state_and_parent(pid)[0] == "Z"
     except OSError:
         return True
+
+
+def reaped(pid: int) -> bool:
+    """Whether `pid` has ended and its parent has collected it: no zombie left. Stricter than
+    `exited`, for processes whose parent is ours to check (a worker never joined stays a zombie)."""
+    return not os.path.exists(f"/proc/{pid}")

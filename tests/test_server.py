@@ -628,8 +628,9 @@ async def sigterm_during(url: str, proc: subprocess.Popen) -> tuple[list[str], l
             try:
                 await http.get(f"{url}/health")
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
-                break  # refused, or dropped unanswered: one accepted as the listening socket closed
-                # is closed or reset before its answer (both seen with both cores busy)
+                # Refused; or accepted as the listening socket closed, then dropped or reset before
+                # its answer (both seen with both cores busy).
+                break
             assert time.monotonic() < deadline, "the server still accepts connections after SIGTERM"
             await asyncio.sleep(0.05)
         cut, short = await asyncio.gather(*streams)

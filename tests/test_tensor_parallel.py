@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_SIZES
-from processes import children
+from processes import children, reaped
 from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
@@ -58,11 +58,6 @@ def engine_pair(
     for engine in (one, two):
         engine.step_hooks.append(Engine.check_invariants)
     return one, two
-
-
-def gone(pid: int) -> bool:
-    """Exited and reaped: a worker or core that its parent never joined stays as a zombie, and counts."""
-    return not Path(f"/proc/{pid}").exists()
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +186,7 @@ def test_a_core_in_its_own_process_runs_two_ranks_and_stops_them(llama, model_fo
     core, workers = asyncio.run(main())
     assert workers, "the core started no worker process"
     deadline = time.monotonic() + 30
-    while not all(gone(pid) for pid in [core, *workers]):
+    while not all(reaped(pid) for pid in [core, *workers]):
         assert time.monotonic() < deadline, "the core or a worker outlived the shutdown"
         time.sleep(0.05)
 
@@ -233,7 +228,7 @@ def test_a_killed_worker_fails_the_caller_within_seconds_and_leaves_no_process(l
     assert isinstance(caught.value.__cause__, TensorParallelError)
     assert "rank 1 died (signal SIGKILL)" in str(caught.value)
     assert failed_after < 5, f"the caller waited {failed_after:.1f} s"
-    assert gone(pid) and not multiprocessing.active_children()
+    assert reaped(pid) and not multiprocessing.active_children()
     with pytest.raises(RequestError, match="rank 1 died"):  # the engine refuses work, without hanging
         engine.generate([prompt], GREEDY)
 
@@ -291,7 +286,7 @@ def test_greedy_matches_one_rank_and_transformers(arch, model_folders, reference
         assert expected == [transformers_greedy(reference, p, 10) for p in batch]
         no_leaks(two)
         pids = two.runner.worker_pids
-    assert all(gone(pid) for pid in pids)
+    assert all(reaped(pid) for pid in pids)
     with pytest.raises(RequestError) as caught:  # a closed engine fails requests, without hanging
         two.generate(batch, GREEDY)
     assert isinstance(caught.value.__cause__, TensorParallelError)
