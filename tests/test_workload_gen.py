@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +19,11 @@ from radixkv.workloads.format import Session, read_workload
 from radixkv.workloads.generate import (
     ChatParams,
     DocsParams,
+    OneUseParams,
     SharedPrefixParams,
     generate_chat,
     generate_docs,
+    generate_one_use,
     generate_shared_prefix,
     poisson_arrivals,
 )
@@ -63,6 +66,17 @@ SMALL: list[tuple[Callable[[Any], list[Session]], Any]] = [
             question_tokens=(4, 6),
             answer_tokens=(2, 3),
             repeat=0.3,
+        ),
+    ),
+    (
+        generate_one_use,
+        OneUseParams(
+            sessions=30,
+            prefixes=4,
+            prefix_tokens=(20, 40),
+            user_tokens=(8, 16),
+            reply_tokens=(2, 4),
+            returns=0.5,
         ),
     ),
 ]
@@ -144,6 +158,69 @@ def test_docs_questions_use_few_contexts_and_repeats_are_verbatim() -> None:
         assert repeat.arrival >= first.arrival
     preambles = [s.system or [] for s in sessions if s.name.startswith("fewshot")]
     assert preambles and all(3 * 5 <= len(p) <= 3 * 9 for p in preambles)
+
+
+def _block_uses(sessions: list[Session], block: int) -> tuple[Counter[tuple[int, ...]], list[int]]:
+    """The oracle for `one-use`: replays the turns in arrival order (think times only, as
+    `simulate` orders them) with stand-in replies, counts how many prompts hold each full block
+    (keyed by the whole prefix up to its end, as the cache keys it), and gives each return's
+    distance in requests from its session's previous turn."""
+    turns = []  # (arrival, session index, turn index)
+    for i, session in enumerate(sessions):
+        at = session.arrival
+        for k, turn in enumerate(session.turns):
+            at += turn.think
+            turns.append((at, i, k))
+    turns.sort()
+    uses: Counter[tuple[int, ...]] = Counter()
+    last_seen: dict[int, int] = {}
+    gaps = []
+    for order, (_, i, k) in enumerate(turns):
+        session = sessions[i]
+        prompt = list(session.system or [])
+        for j, turn in enumerate(session.turns[: k + 1]):
+            prompt += list(turn.user) + ([-1 - j] * turn.max_tokens if j < k else [])
+        uses.update(tuple(prompt[:end]) for end in range(block, len(prompt) + 1, block))
+        if k:
+            gaps.append(order - last_seen[i])
+        last_seen[i] = order
+    return uses, gaps
+
+
+def test_one_use_blocks_are_mostly_used_once_and_returns_come_after_the_median_gap() -> None:
+    params = OneUseParams(
+        sessions=600,
+        prefixes=20,
+        prefix_tokens=(64, 256),
+        user_tokens=(128, 256),
+        returns=0.3,
+        gap_requests=100,
+    )
+    uses, gaps = _block_uses(generate_one_use(params), 16)
+    once = sum(1 for n in uses.values() if n == 1) / len(uses)
+    assert 0.6 < once < 0.95
+    assert 70 <= float(np.median(gaps)) <= 140  # Pareto median at the asked 100 requests
+    assert max(gaps) > 3 * float(np.median(gaps))  # the heavy tail
+    fewer = replace(params, user_tokens=(16, 32), returns=0.6)
+    assert sum(1 for n in _block_uses(generate_one_use(fewer), 16)[0].values() if n == 1) / len(uses) < once
+
+
+def test_one_use_prefix_popularity_follows_zipf() -> None:
+    sessions = generate_one_use(
+        OneUseParams(
+            sessions=4000, prefixes=10, popularity=1.0, prefix_tokens=(4, 4), user_tokens=(1, 1), returns=0.0
+        )
+    )
+    counts = Counter(s.name.split(".")[0] for s in sessions)
+    # Zipf with exponent 1 over 10 prefixes: the first is drawn 1 / H(10) = 34% of the time,
+    # the second half as often.
+    assert 0.30 < counts["p0"] / 4000 < 0.38 and 1.6 < counts["p0"] / counts["p1"] < 2.5
+    uniform = generate_one_use(
+        OneUseParams(
+            sessions=4000, prefixes=10, popularity=0.0, prefix_tokens=(4, 4), user_tokens=(1, 1), returns=0.0
+        )
+    )
+    assert max(Counter(s.name.split(".")[0] for s in uniform).values()) < 0.13 * 4000
 
 
 def test_poisson_arrivals_have_the_requested_rate() -> None:

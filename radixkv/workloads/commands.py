@@ -30,9 +30,11 @@ from radixkv.workloads.generate import (
     ChatParams,
     DocsParams,
     IntRange,
+    OneUseParams,
     SharedPrefixParams,
     generate_chat,
     generate_docs,
+    generate_one_use,
     generate_shared_prefix,
     vocab_of,
 )
@@ -41,6 +43,7 @@ GENERATORS: dict[str, tuple[type, Callable[[Any], list[Session]]]] = {
     "chat": (ChatParams, generate_chat),
     "shared-prefix": (SharedPrefixParams, generate_shared_prefix),
     "docs": (DocsParams, generate_docs),
+    "one-use": (OneUseParams, generate_one_use),
 }
 CONVERTERS: dict[str, tuple[type, Callable[[Path, Any], list[Session]]]] = {
     "mooncake": (MooncakeParams, convert_mooncake),

@@ -1,6 +1,6 @@
 """Seeded workload generators: the same parameters (seed included) give the same sessions.
 
-All three write token-id sessions, so every length is exact under any tokenizer. Ids are drawn
+All four write token-id sessions, so every length is exact under any tokenizer. Ids are drawn
 from `[vocab_low, vocab_size)`; the default `[0, 256)` is the byte tokens of the tiny models'
 tokenizer (`radixkv/tokenizer.py`), leaving out its special tokens 256-258. Each kind's
 parameters are one dataclass whose fields are also its command-line flags (`workload_commands`
@@ -10,6 +10,8 @@ builds the parser from them), so a default lives in one place.
 - `shared-prefix`: single-turn requests over a few system prompts, after SGLang's
   generated-shared-prefix benchmark.
 - `docs`: questions over a few long documents and few-shot preambles, some asked again verbatim.
+- `one-use`: Zipf-popular shared prefixes with private suffixes mostly used once, and
+  conversations that come back after a heavy-tailed gap (the shape eviction is judged on).
 """
 
 from __future__ import annotations
@@ -248,4 +250,66 @@ def generate_docs(p: DocsParams) -> list[Session]:
         turn = Turn(vocab.draw(rng, _uniform(rng, p.question_tokens)), _uniform(rng, p.answer_tokens))
         originals.append(Session(f"{name}.q{j}", [turn], arrival, context))
         sessions.append(originals[-1])
+    return sessions
+
+
+@dataclass(slots=True)
+class OneUseParams:
+    """Traffic where most blocks are used once: the shape that tells eviction policies apart.
+
+    Each session's system part is one of `--prefixes` shared prefixes, picked with Zipf
+    popularity (`--popularity` is the exponent: 0 uniform, larger concentrates on a few), and its
+    first user message is tokens of its own, used once unless the session comes back. With chance
+    `--returns` a session comes back for another turn (again after each return), whose prompt is
+    the whole conversation so far: the reuse of a long private history. The gap before a return
+    is heavy-tailed: Pareto with shape `--gap-tail` scaled so that its median is `--gap-requests`
+    requests at the trace's mean request rate, so reuse distances range from a few requests to
+    many times the median. A larger `--user-tokens` or fewer returns raise the share of blocks
+    used once; a large `--popularity` with short private parts is the recency-friendly end.
+    """
+
+    sessions: Annotated[int, Flag("number of sessions", minimum=1)] = 2000
+    prefixes: Annotated[int, Flag("number of shared system prefixes", minimum=1)] = 100
+    popularity: Annotated[float, Flag("Zipf exponent of the prefixes' popularity", minimum=0)] = 1.0
+    prefix_tokens: Annotated[IntRange, Flag("tokens per shared prefix, MIN-MAX", minimum=1)] = (256, 2048)
+    user_tokens: Annotated[IntRange, Flag("tokens per user message, MIN-MAX", minimum=1)] = (256, 1024)
+    reply_tokens: Annotated[IntRange, Flag("max_tokens per reply, MIN-MAX", minimum=1)] = (16, 64)
+    returns: Annotated[
+        float, Flag("chance a session comes back for another turn", minimum=0, maximum=0.95)
+    ] = 0.3
+    gap_requests: Annotated[float, Flag("median requests between a turn and its return", minimum=0)] = 400.0
+    gap_tail: Annotated[float, Flag("Pareto shape of the return gap (smaller: heavier)", minimum=0.1)] = 1.2
+    rate: Annotated[float, Flag("session arrivals per second (Poisson)", minimum=1e-6)] = 10.0
+    seed: Annotated[int, Flag("random seed")] = 0
+    vocab_size: Annotated[int, Flag("token ids are drawn below this")] = 256
+    vocab_low: Annotated[int, Flag("token ids are drawn from this up")] = 0
+
+    def __post_init__(self) -> None:
+        check_params(self)
+        if math.isinf(self.rate):
+            raise ValueError("--rate must be finite: return gaps are measured against it")
+
+
+def generate_one_use(p: OneUseParams) -> list[Session]:
+    """Sessions over Zipf-popular shared prefixes with private, mostly once-used, suffixes."""
+    rng = np.random.default_rng(p.seed)
+    vocab = vocab_of(p)
+    prefixes = [vocab.draw(rng, _uniform(rng, p.prefix_tokens)) for _ in range(p.prefixes)]
+    weights = 1.0 / np.arange(1, p.prefixes + 1) ** p.popularity
+    picks = rng.choice(p.prefixes, p.sessions, p=weights / weights.sum()).tolist()
+    # Requests per second: sessions times their mean turns (1 + r + r^2 + ... = 1 / (1 - r)).
+    request_rate = p.rate / (1.0 - p.returns)
+    # Pareto with shape a and scale m has median m * 2^(1/a): m makes the median the one asked.
+    scale = p.gap_requests / request_rate / 2 ** (1.0 / p.gap_tail)
+    sessions = []
+    for i, (arrival, prefix) in enumerate(zip(poisson_arrivals(rng, p.sessions, p.rate), picks, strict=True)):
+        think = 0.0
+        turns = []
+        while True:
+            user = vocab.draw(rng, _uniform(rng, p.user_tokens))
+            turns.append(Turn(user, _uniform(rng, p.reply_tokens), think))
+            if rng.random() >= p.returns:
+                break
+            think = round(float(scale * (1.0 + rng.pareto(p.gap_tail))), 6)
+        sessions.append(Session(f"p{prefix}.s{i}", turns, arrival, prefixes[prefix]))
     return sessions
