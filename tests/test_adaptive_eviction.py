@@ -1,9 +1,12 @@
-"""The `adaptive` policy (W-TinyLFU with a hill-climbed window) and its frequency sketch.
+"""The `adaptive` policy (W-TinyLFU whose setting miniature simulations choose), its
+miniature caches and its frequency sketch.
 
 Oracles: a plain `Counter` for the sketch (a count-min never underestimates, and halves on
-aging); LRU itself for the policy with its window at the whole cache (it must then be LRU
-exactly); the offline optimum as a bound; transformers' greedy outputs in the engine. The random
-cache harness with `check_invariants()` after every step lives in `test_kv_cache_random.py`.
+aging); naive LRU and GDSF caches (a list, a scan) for the miniatures, and the full-size cache's
+hit rate for a sampled one; LRU and GDSF themselves for the controller; LRU itself for the
+policy with its window at the whole cache (it must then be LRU exactly); the offline optimum
+as a bound; transformers' greedy outputs in the engine. The random cache harness with
+`check_invariants()` after every step lives in `test_kv_cache_random.py`.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import pytest
 from shared_traces import random_hash_trace, shared_trace
 
 from radixkv import Engine, SamplingParams
-from radixkv.cache import BlockPool, KVCacheManager, RadixCache
-from radixkv.cache.eviction import LRU, Adaptive
+from radixkv.cache import BlockPool, KVCacheManager, RadixCache, miniature
+from radixkv.cache.eviction import GDSF, LRU, Adaptive
 from radixkv.cache.frequency_sketch import MAX_COUNT, FrequencySketch
+from radixkv.cache.miniature import SETTINGS
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cli import main
 from radixkv.tools.simulate import CacheRequest, requests_from_workload, serve
 from radixkv.workloads.format import Workload
-from radixkv.workloads.generate import DocsParams, generate_docs
+from radixkv.workloads.generate import DocsParams, OneUseParams, generate_docs, generate_one_use
 from radixkv.workloads.traces import HashIdTokens
 
 MOONCAKE = shared_trace("mooncake_synthetic_trace.jsonl")
@@ -97,16 +101,138 @@ def test_a_small_window_turns_one_off_prompts_away_and_keeps_a_reused_prefix():
     assert (lru, tiny) == (2 * 16, 3 * 16)
 
 
-def test_the_window_moves_with_ghost_hits_and_its_trajectory_is_recorded():
-    rng = random.Random(3)
-    tokens = HashIdTokens(4)
-    requests = [CacheRequest(0.0, tokens.tokens(ids), []) for ids in random_hash_trace(rng, 400)]
+def zipf_stream(rng: random.Random, n: int, keys: int, depth: int = 64) -> list[tuple[int, int]]:
+    """(position, key) accesses, keys Zipf-popular, each key at a fixed block depth."""
+    weights = [1.0 / (k + 1) for k in range(keys)]
+    picks = rng.choices(range(keys), weights, k=n)
+    return [(16 * (k % depth), k) for k in picks]
+
+
+class NaiveLRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.order = capacity, []
+
+    def access(self, key: int, position: int) -> bool:
+        hit = key in self.order
+        if hit:
+            self.order.remove(key)
+        self.order.append(key)
+        del self.order[: max(0, len(self.order) - self.capacity)]
+        return hit
+
+
+class NaiveGDSF:
+    """GDSF by a scan for the least (priority, last access) at every eviction."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.inflation, self.clock = capacity, 0.0, 0
+        self.entries: dict[int, list] = {}  # key -> [priority, last access, hits]
+
+    def access(self, key: int, position: int) -> bool:
+        self.clock += 1
+        entry = self.entries.get(key)
+        hits = 0 if entry is None else entry[2] + 1
+        cost = 1.0 + position / miniature.ATTENTION_TOKENS
+        self.entries[key] = [self.inflation + (hits + 1) * cost, self.clock, hits]
+        if entry is None and len(self.entries) > self.capacity:
+            victim = min(self.entries, key=lambda k: self.entries[k][:2])
+            self.inflation = max(self.inflation, self.entries.pop(victim)[0])
+        return entry is not None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_miniature_lru_and_gdsf_hit_exactly_as_naive_ones(seed):
+    rng = random.Random(seed)
+    stream = zipf_stream(rng, 4000, 300)
+    for fast, naive in ((miniature.MiniLRU(50), NaiveLRU(50)), (miniature.MiniGDSF(50), NaiveGDSF(50))):
+        assert [fast.access(k, p) for p, k in stream] == [naive.access(k, p) for p, k in stream]
+        assert len(fast) == 50
+
+
+def test_the_miniature_tinylfu_keeps_a_hot_key_through_a_scan_that_flushes_lru():
+    counts = miniature.Counts(10**6)
+    tiny, lru = miniature.MiniTinyLFU(20, 0.05, counts), miniature.MiniLRU(20)
+    for _ in range(5):
+        counts.add(7)
+        tiny.access(7, 0), lru.access(7, 0)
+    for key in range(100, 160):  # a scan of keys seen once
+        counts.add(key)
+        tiny.access(key, 0), lru.access(key, 0)
+        assert len(tiny) <= 20
+    assert tiny.access(7, 0) and not lru.access(7, 0)
+
+
+def test_the_counts_halve_and_stay_within_their_bound():
+    counts = miniature.Counts(period=100)
+    rng = random.Random(0)
+    for _ in range(10_000):
+        counts.add(rng.randrange(10**9) if rng.random() < 0.7 else rng.randrange(5))
+        assert len(counts.counts) <= 150
+    assert counts.get(0) >= 1 and counts.get(10**10) == 0
+
+
+@pytest.mark.parametrize("num_blocks", [1000, 4000, 16000])
+def test_a_miniature_over_sampled_depths_estimates_the_full_lrus_hit_rate(num_blocks):
+    """Spatial sampling's promise: a cache of rate x capacity fed only the blocks at sampled
+    depths hits about as often, per access, as the full cache fed every block. The stream is
+    prompts over Zipf-popular documents of 8 to 120 blocks, a block's key its document and
+    depth."""
+    rng = random.Random(num_blocks)
+    documents = num_blocks // 8
+    weights = [1.0 / (d + 1) for d in range(documents)]
+    lengths = [rng.randint(8, 120) for _ in range(documents)]
+    stream = [
+        (16 * depth, doc * 1000 + depth)
+        for doc in rng.choices(range(documents), weights, k=3000)
+        for depth in range(lengths[doc])
+    ]
+    full = miniature.MiniLRU(num_blocks)
+    true_rate = sum(full.access(k, p) for p, k in stream) / len(stream)
+    minis = miniature.Miniatures(num_blocks, 16, settings=(miniature.LRU_SETTING,))
+    sampled = set(minis._depths_between(0, 120))
+    seen = [(p, k) for p, k in stream if p // 16 in sampled]
+    assert 0.5 * minis.rate * len(stream) < len(seen) < 2 * minis.rate * len(stream)
+    mini_rate = sum(minis.caches[0].access(k, p) for p, k in seen) / len(seen)
+    assert 0.2 < true_rate < 0.95 and abs(mini_rate - true_rate) < 0.04, (mini_rate, true_rate)
+
+
+def test_the_miniatures_memory_does_not_grow_with_the_pool():
+    small, large = miniature.Miniatures(4000, 16), miniature.Miniatures(1_000_000, 16)
+    assert small.max_entries == large.max_entries == 3 * 256 + 2 * 256 + 1.5 * 2560
+    rng = random.Random(1)
+    for _ in range(200):
+        large.access([(16 * rng.randrange(10**5), rng.getrandbits(64)) for _ in range(50)], False)
+    assert all(len(c) <= large.capacity for c in large.caches)
+    assert len(large.counts.counts) <= 1.5 * large.counts.period
+
+
+def one_use(**changes) -> list[CacheRequest]:
+    params = OneUseParams(**{"sessions": 300, "prefixes": 20, "seed": 0, **changes})
+    return requests_from_workload(Workload(generate_one_use(params), {}), tokenizer=None)
+
+
+def test_the_controller_tries_each_setting_then_runs_the_best():
+    requests = one_use()
     policy = Adaptive()
-    hits(requests, 40, policy, 4)
-    shares = [s for _, s in policy.trajectory]
-    seen = [b for b, _ in policy.trajectory]
-    assert len(shares) > 20 and len(set(shares)) > 3, "the window never moved"
-    assert seen == list(range(1, len(seen) + 1)) and all(0.0 <= s <= 1.0 for s in shares)
+    got = hits(requests, 1000, policy)
+    chosen = [setting for _, setting in policy.trajectory]
+    assert chosen[: len(SETTINGS)] == [s.name for s in SETTINGS], "every setting is tried once, in order"
+    best = max(hits(requests, 1000, LRU()), hits(requests, 1000, GDSF()))
+    assert got >= 0.99 * best
+    assert policy.trajectory[-1][0] > 0 and len(chosen) < 40, "it flapped"
+
+
+def test_a_switch_to_gdsf_and_back_rekeys_every_leaf_and_keeps_the_books():
+    """Decisions every 8 sampled blocks: every setting in turn, GDSF included, under the tree's
+    own invariant checks after every request."""
+    requests = one_use(sessions=60, prefix_tokens=(32, 128), user_tokens=(16, 64))
+    policy = Adaptive(decide_every=8)
+    pool = BlockPool(60, 16)
+    kv = KVCacheManager(pool, RadixCache(pool, policy))
+    for request in requests:
+        serve(kv, [request])
+        kv.cache.check_invariants()
+    assert {s for _, s in policy.trajectory} >= {"gdsf", "lru", "window 0.01"}
 
 
 def test_adaptive_never_beats_the_offline_optimum():
@@ -191,7 +317,7 @@ def test_engine_outputs_under_memory_pressure_equal_transformers(model_folders, 
     assert engine.kv.pool.num_free + engine.kv.cache.evictable_size == engine.kv.pool.num_blocks
 
 
-def test_simulate_writes_the_window_trajectory(tmp_path, capsys):
+def test_simulate_writes_the_settings_chosen(tmp_path, capsys):
     rng = random.Random(5)
     trace = tmp_path / "trace.jsonl"
     rows = [
@@ -205,4 +331,6 @@ def test_simulate_writes_the_window_trajectory(tmp_path, capsys):
     assert [r["eviction"] for r in json.loads(capsys.readouterr().out)] == ["lru", "adaptive"] * 2
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["capacity_blocks"] for line in lines] == [30, 60]
-    assert lines[0]["window_share"] and all(0 <= s <= 1 for _, s in lines[0]["window_share"])
+    names = {s.name for s in SETTINGS}
+    assert lines[0]["settings"][0] == [0, "window 0.01"]
+    assert all(name in names for _, name in lines[0]["settings"])

@@ -282,8 +282,8 @@ class Harness:
 )
 def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
-    if policy == "adaptive-small-window":  # duels at almost every eviction, from the start
-        policy = Adaptive(window=0.1)
+    if policy == "adaptive-small-window":  # a decision every 16 sampled blocks: every setting
+        policy = Adaptive(decide_every=16)  # in turn, GDSF's re-keying of every leaf included
     h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
     run(h, run_length(5000))
 
@@ -303,8 +303,8 @@ def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
     block_size, seed, policy, host_blocks, write_through
 ):
     """Fake KV written per slot survives offload and load-back bit for bit, on both tiers."""
-    if policy == "adaptive":  # duels from the start
-        policy = Adaptive(window=0.1)
+    if policy == "adaptive":  # every setting in turn, as above
+        policy = Adaptive(decide_every=16)
     h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
     run(h, run_length(4000, least=800))
     host = h.host

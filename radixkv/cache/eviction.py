@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import xxhash
 
 from radixkv.cache.frequency_sketch import FrequencySketch
+from radixkv.cache.miniature import ATTENTION_TOKENS, SETTINGS, Miniatures, Setting
 from radixkv.errors import InvariantError
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class GDSF(EvictionPolicy):
 
     name = "gdsf"
 
-    def __init__(self, attention_tokens: int = 32768) -> None:
+    def __init__(self, attention_tokens: int = ATTENTION_TOKENS) -> None:
         self.inflation = 0.0
         self.attention_tokens = attention_tokens
 
@@ -148,9 +149,10 @@ class SessionAware(EvictionPolicy):
         return (node.session in self.live, node.last_access)
 
 
-# `adaptive`'s segments, in eviction order: a duel's loser, the main area, the window, and the
-# window's overflow waiting for its duel (which decides its fate whatever its rank).
-EVICT, PROBATION, PROTECTED, WINDOW, CANDIDATE = range(5)
+# `adaptive`'s segments, in eviction order: a duel's loser, the main area, the window, the
+# window's overflow waiting for its duel (which decides its fate whatever its rank), and every
+# leaf while the policy runs as GDSF.
+EVICT, PROBATION, PROTECTED, WINDOW, CANDIDATE, BY_GDSF = range(6)
 
 
 class _Entry(NamedTuple):
@@ -158,120 +160,163 @@ class _Entry(NamedTuple):
     half; the lower half, whose `start` moved, gets its own key when next seen)."""
 
     segment: int
-    stamp: int  # recency within the segment
+    stamp: Any  # recency within the segment; under GDSF (priority, last access)
     hits: int  # node.hits when last seen: a larger count means an access since
     start: int  # node.start when last seen
+    end: int  # node.end when last seen: less after a split or a trim, more after an extension
     key: int  # content key of the node's first block
+    sampled: tuple[tuple[int, int], ...]  # the node's blocks in the miniatures' sample
+    seen: int  # the tree's clock when the miniatures last saw the node hit (-2: not yet)
 
 
 class Adaptive(EvictionPolicy):
-    """W-TinyLFU over the tree's leaves: an LRU window for new blocks, a segmented LRU main area
-    (probation, protected), and frequency-aware admission from the window to the main area.
+    """W-TinyLFU over the tree's leaves, whose window share, or a switch to GDSF, is chosen by
+    miniature simulation of each setting on the live traffic.
 
-    A new leaf enters the window. When the window's leaf blocks exceed their share of the
-    evictable leaves, its least recent leaves become candidates, and at each eviction the oldest
-    candidate duels the main area's next victim (probation's least recent, else protected's): it
-    is admitted to probation only if its estimated frequency beats the victim's, and the loser is
-    evicted. A probation leaf that is hit moves to protected; protected's overflow (past 80% of
-    the main area) is demoted to probation. Without a duel pending, probation goes first, then
-    protected, then the window. With the window at the whole cache this is LRU exactly (every
-    leaf is in the window, ranked by its last access); with a small one, blocks used once are
-    turned away at the door and what is reused stays.
+    W-TinyLFU: a new leaf enters an LRU window. When the window's leaf blocks exceed their share
+    of the evictable leaves, its least recent leaves become candidates, and at each eviction the
+    oldest candidate duels the main area's next victim (probation's least recent, else
+    protected's): it is admitted to probation only if its estimated frequency beats the
+    victim's, and the loser is evicted. A probation leaf that is hit moves to protected;
+    protected's overflow (past 80% of the main area) is demoted to probation. Without a duel
+    pending, probation goes first, then protected, then the window. With the window at the whole
+    cache this is LRU exactly; with a small one, blocks used once are turned away at the door
+    and what is reused stays.
 
     Frequency is an aging count-min sketch (`FrequencySketch`: 4 rows of one-byte counters, each
     row the pool's block count rounded up to a power of two, so 4 to 8 bytes per cache block;
     halved every 10 x row width sightings) over block content keys: the tree's block hash (xxh3
     of the block's int64 tokens) seeded with the block's position. A node is keyed by its first
     block and counts one sighting each time a walk passes it whole, so a leaf's estimate is how
-    often requests lately reached its run, kept across its eviction: a document evicted and asked
-    for again comes back with its history. When a split cuts a node, the lower half's first block
-    takes the whole's count (it was used whenever the whole was). Two prefixes whose blocks at
-    the same position hold the same tokens share counters: collisions only overestimate.
+    often requests lately reached its run, kept across its eviction. When a split cuts a node,
+    the lower half's first block takes the whole's count (it was used whenever the whole was).
 
-    The window's share adapts by ghost feedback, the rule ARC sizes its two lists by, rather than
-    Caffeine's hill climbing: the last pool-size evicted leaves are remembered (first-block key
-    only) with how they left, turned away at the door (a duel's losing candidate) or evicted
-    from the main area or window otherwise. When a new leaf turns out to be one of them, that
-    eviction was a mistake whose cost is the leaf's blocks: a rejected leaf returning means the
-    window was too small to see its reuse, so the share grows by blocks / pool size; any other
-    returning means the frequency-protected area was too small, so it shrinks by as much. Hill
-    climbing compares hit rates of successive samples, which on prefix-cache traces (a few large
-    requests per sample) is mostly noise: tried on the shipped traces with samples of 1 and 4
-    pool sizes it wandered between 0.5 and 1.0 and gave up a third of admission's gain on
-    one-off documents; ghost hits name the side that erred, one eviction at a time. The share
-    starts at the whole cache, LRU, the safe side where recency is what matters. `trajectory`
-    keeps the last 4,096 (ghost hits seen, share).
+    The controller (`radixkv.cache.miniature`): no single window is right everywhere. Where
+    most blocks are used once a window of about 1% keeps 1.25-1.45x LRU's hits, where recency
+    is all there is LRU wins, and on the Mooncake conversation trace GDSF beats both. So beside
+    the live cache run miniatures of each setting (`SETTINGS`: windows of 1% and 20%, LRU,
+    GDSF), 256 blocks each over a sample of the block depths; after every `decide_every`
+    sampled block accesses (256 by default, about one miniature-full) the live cache moves to
+    the setting whose miniature hit most lately, each miniature's score corrected by how the
+    live cache fared against it when it ran that setting (`Miniatures.decide`), if it beat the
+    current one's by more than `MARGIN`. It starts at the 1% window (`window`), where the
+    evidence puts large caches under one-use traffic, and tries each other setting once for
+    three periods to learn its correction. A period is 6 to 110 requests on the shipped
+    traces (Mooncake at 1,000 blocks; the one-use workload at 16,000), so the exploration ends
+    within the first 2% to 30% of them, and a later change of traffic is followed within about
+    three periods (scores decay by `DECAY` each). Moving between windows is free (the window's
+    overflow queues for its duels); moving to or from GDSF re-keys the evictable leaves once,
+    O(n log n). `trajectory` keeps the last 4,096 (tree clock, setting) choices.
 
     Cost: keys are `(segment, stamp)`, so a segment's least recent leaf is a bisection of the
-    tree's sorted leaves; a duel, a demotion and a touch are O(log n) plus an O(block size) hash;
-    the ghosts are an insertion-ordered dict of at most pool-size keys.
+    tree's sorted leaves; a duel, a demotion and a touch are O(log n) plus an O(block size)
+    hash; each sampled block costs one access in each miniature, O(1) (GDSF's O(log 256)) and,
+    when new, one hash. Memory beside the sketch is bounded by `Miniatures.max_entries` (5,120
+    keys) whatever the pool's size.
     """
 
     name = "adaptive"
     PROTECTED_SHARE = 0.8
     TRAJECTORY = 4096
+    MARGIN = 0.02
 
-    def __init__(self, window: float = 1.0, adapt: bool = True) -> None:
+    def __init__(self, window: float = 0.01, adapt: bool = True, decide_every: int | None = None) -> None:
         if not 0.0 <= window <= 1.0:
             raise ValueError(f"window must be in [0, 1], got {window}")
         self.window_share = window
         self.adapt = adapt
-        self.sizes = [0] * 5  # evictable leaf blocks per segment
+        self.decide_every = decide_every
+        self.sizes = [0] * 6  # evictable leaf blocks per segment
         self.clock = 0
         self.block_size = self.num_blocks = 1
         self.sketch = FrequencySketch(64)
-        self.ghosts: dict[int, bool] = {}  # first-block key of an evicted leaf -> turned away
-        self.num_ghosts = [0, 0]  # evicted otherwise, turned away
-        self.ghost_hits = 0
-        self.trajectory: deque[tuple[int, float]] = deque(maxlen=self.TRAJECTORY)
-        self._loser_rejected = False
+        self.inflation = 0.0  # GDSF's, while it runs as GDSF
+        known = [s for s in SETTINGS if s.window == window]
+        if adapt and not known:
+            starts = [s.window for s in SETTINGS]
+            raise ValueError(f"an adaptive window starts at one of {starts}, got {window}")
+        self.setting = known[0] if known else Setting(f"window {window:g}", window)
+        self.pending: Setting | None = None  # chosen, applied at the next `arrange`
+        self.miniatures: Miniatures | None = None
+        # Evictable leaves still ranked by the other side of a switch to or from GDSF: a switch
+        # re-keys the evictable leaves, and a node locked or with children then is re-keyed
+        # at the first eviction after it becomes one.
+        self._stale: dict[int, EvictableNode] = {}
+        self.trajectory: deque[tuple[int, str]] = deque(maxlen=self.TRAJECTORY)
 
     def sized(self, num_blocks: int, block_size: int) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.sketch = FrequencySketch(1 << max(num_blocks - 1, 63).bit_length())
+        if self.adapt:
+            self.miniatures = Miniatures(num_blocks, block_size)
+            if self.decide_every is None:
+                self.decide_every = self.miniatures.capacity
+        self.trajectory.append((self.clock, self.setting.name))
 
-    def key(self, node: EvictableNode) -> tuple[int, int]:
+    @property
+    def gdsf(self) -> bool:
+        return self.setting.window is None
+
+    def key(self, node: EvictableNode) -> tuple[int, Any]:
         entry = node.priority
         return (entry.segment, entry.stamp)
 
     def touched(self, node: EvictableNode) -> None:
         entry = node.priority
         self.clock = max(self.clock, node.last_access)
+        minis = self.miniatures
         if not isinstance(entry, _Entry):  # a new leaf: its blocks were computed
             key = self._content_key(node)
             self.sketch.add(key)
-            self._returned(node, key)
-            node.priority = _Entry(WINDOW, node.last_access, node.hits, node.start, key)
+            sampled = tuple(minis.sample(node.tokens, node.start)) if minis is not None else ()
+            self._accessed(sampled, False)
+            node.priority = self._placed(node, WINDOW, node.last_access, key, sampled, -2)
             return
-        key = entry.key
+        key, sampled = entry.key, entry.sampled
         if node.start != entry.start:  # the lower half of a split: used whenever the whole was
             key = self._content_key(node)
             self.sketch.raise_to(key, self.sketch.estimate(entry.key))
+            sampled = tuple(s for s in sampled if s[0] >= node.start)
+        elif node.end < entry.end:  # the upper half of a split, or trimmed
+            sampled = tuple(s for s in sampled if s[0] < node.end)
+        elif node.end > entry.end and minis is not None:  # extended: the new blocks were computed
+            grown = minis.sample(node.tokens, node.start, (entry.end - node.start) // self.block_size)
+            self._accessed(grown, False)
+            sampled += tuple(grown)
         segment, stamp = entry.segment, entry.stamp
+        seen = entry.seen
         if node.hits > entry.hits:
             self.sketch.add(key)
-            segment = WINDOW if segment == WINDOW else PROTECTED
-            stamp = node.last_access
-        node.priority = _Entry(segment, stamp, node.hits, node.start, key)
+            if node.last_access > seen + 1:  # not the insert right after a request's match
+                self._accessed(sampled, True)
+            seen = node.last_access
+            if segment != BY_GDSF:
+                segment = WINDOW if segment == WINDOW else PROTECTED
+                stamp = node.last_access
+        node.priority = self._placed(node, segment, stamp, key, sampled, seen)
 
     def evicted(self, node: EvictableNode) -> None:
-        key = node.priority.key if node.priority.start == node.start else self._content_key(node)
-        self._forget(key)
-        rejected = node.priority.segment == EVICT and self._loser_rejected
-        self.ghosts[key] = rejected
-        self.num_ghosts[rejected] += 1
-        if len(self.ghosts) > self.num_blocks:
-            self._forget(next(iter(self.ghosts)))
+        if node.priority.segment == BY_GDSF:
+            self.inflation = max(self.inflation, node.priority.stamp[0])
 
     def entered(self, node: EvictableNode) -> None:
         self.sizes[node.priority.segment] += len(node.blocks)
+        if (node.priority.segment == BY_GDSF) != self.gdsf:
+            self._stale[id(node)] = node  # ranked under the setting before a switch
 
     def left(self, node: EvictableNode) -> None:
         self.sizes[node.priority.segment] -= len(node.blocks)
+        self._stale.pop(id(node), None)
 
     def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> None:
+        for node in list(self._stale.values()):
+            rekey(node, self._rearranged)
         if self.sizes[EVICT]:
             return  # a duel's loser, partly evicted, goes on first
+        if self.pending is not None:
+            self._switch(leaves, rekey)
+        if self.gdsf:
+            return  # leaves are ranked by GDSF's priority
         total = sum(self.sizes)
         window_max = self.window_share * total
         protected_max = self.PROTECTED_SHARE * (total - window_max)
@@ -287,27 +332,73 @@ class Adaptive(EvictionPolicy):
             admit = self._frequency(candidate) > self._frequency(victim)
             if admit:
                 rekey(candidate, self._move_to(PROBATION))
-            self._loser_rejected = not admit
             rekey(victim if admit else candidate, self._move_to(EVICT))
             return
         # No duel: probation's least recent goes, else protected's, else the window's.
 
     def check_leaves(self, leaves: SortedKeyList) -> None:
-        sizes = [0] * 5
+        sizes = [0] * 6
         for node in leaves:
             sizes[node.priority.segment] += len(node.blocks)
+            if (node.priority.segment == BY_GDSF) != self.gdsf and id(node) not in self._stale:
+                raise InvariantError(f"a leaf in segment {node.priority.segment} under {self.setting.name}")
         if sizes != self.sizes:
             raise InvariantError(f"adaptive segment sizes {self.sizes}, recount {sizes}")
         if not 0.0 <= self.window_share <= 1.0:
             raise InvariantError(f"window share {self.window_share}")
-        if len(self.ghosts) > self.num_blocks:
-            raise InvariantError("the ghosts outgrew the pool")
-        if self.num_ghosts[True] != sum(self.ghosts.values()):
-            raise InvariantError("ghosts miscounted")
-        if sum(self.num_ghosts) != len(self.ghosts):
-            raise InvariantError("ghosts miscounted")
+        minis = self.miniatures
+        if minis is not None:
+            held = sum(len(c) for c in minis.caches)
+            if any(len(c) > minis.capacity for c in minis.caches) or len(minis.counts.counts) > 1.5 * (
+                minis.counts.period
+            ):
+                raise InvariantError(f"the miniatures outgrew their bound: {held} keys")
 
     # ------------------------------------------------------------ internals
+
+    def _placed(
+        self, node: EvictableNode, segment: int, stamp: Any, key: int, sampled: tuple, seen: int
+    ) -> _Entry:
+        if self.gdsf:
+            segment, stamp = BY_GDSF, (self._gdsf_priority(node), node.last_access)
+        return _Entry(segment, stamp, node.hits, node.start, node.end, key, sampled, seen)
+
+    def _gdsf_priority(self, node: EvictableNode) -> float:
+        return self.inflation + (node.hits + 1) * (1.0 + node.end / ATTENTION_TOKENS)
+
+    def _accessed(self, sampled: tuple[tuple[int, int], ...] | list[tuple[int, int]], hit: bool) -> None:
+        """The miniatures see `sampled` accessed (found by the live cache if `hit`); after each
+        period, the setting to run is chosen."""
+        minis = self.miniatures
+        if minis is None or not sampled:
+            return
+        minis.access(sampled, hit)
+        if minis.accesses < self.decide_every:
+            return
+        best = minis.settings[minis.decide(minis.settings.index(self.setting), self.MARGIN)]
+        self.pending = best if best != self.setting else None
+
+    def _switch(self, leaves: SortedKeyList, rekey: Rekey) -> None:
+        """Moves the live cache to the pending setting. Into GDSF or out of it, every evictable
+        leaf is re-keyed (out of it, into probation by recency); between windows only the share
+        moves."""
+        was_gdsf, to = self.gdsf, self.pending
+        self.setting, self.pending = to, None
+        self.trajectory.append((self.clock, to.name))
+        if to.window is not None:
+            self.window_share = to.window
+        if self.gdsf != was_gdsf:
+            for node in list(leaves):
+                rekey(node, self._rearranged)
+
+    def _rearranged(self, node: EvictableNode) -> None:
+        entry = node.priority
+        if self.gdsf:
+            node.priority = entry._replace(
+                segment=BY_GDSF, stamp=(self._gdsf_priority(node), node.last_access)
+            )
+        else:
+            node.priority = entry._replace(segment=PROBATION, stamp=node.last_access)
 
     def _first(self, leaves: SortedKeyList, segment: int) -> EvictableNode:
         """The least recent evictable leaf of `segment`, which holds some."""
@@ -327,24 +418,6 @@ class Adaptive(EvictionPolicy):
         """The content key of `node`'s first block (partly filled or whole)."""
         head = array("q", node.tokens[: self.block_size]).tobytes()
         return xxhash.xxh3_64_intdigest(head, seed=node.start)
-
-    def _returned(self, node: EvictableNode, key: int) -> None:
-        """A new leaf that was evicted lately moves the window toward the side that erred, by
-        its blocks times the ratio of the other side's ghosts to its own (ARC's balance)."""
-        rejected = self._forget(key)
-        if rejected is None or not self.adapt:
-            return
-        ratio = max(1.0, self.num_ghosts[not rejected] / max(1, self.num_ghosts[rejected]))
-        step = ratio * len(node.blocks) / self.num_blocks
-        self.window_share = min(1.0, max(0.0, self.window_share + (step if rejected else -step)))
-        self.ghost_hits += 1
-        self.trajectory.append((self.ghost_hits, self.window_share))
-
-    def _forget(self, key: int) -> bool | None:
-        rejected = self.ghosts.pop(key, None)
-        if rejected is not None:
-            self.num_ghosts[rejected] -= 1
-        return rejected
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRU, LFU, GDSF, SessionAware, Adaptive)}

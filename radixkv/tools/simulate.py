@@ -63,19 +63,19 @@ class SimulationResult:
     tokens_per_s: float  # prompt tokens matched and inserted per second, this cache's speed
     host_blocks: int | None = None  # with a host tier
     host_hit_tokens: int | None = None  # the part of hit_tokens loaded from the host tier
-    window_trajectory: tuple[tuple[int, float], ...] = ()  # `adaptive`: (ghost hits, window share)
+    trajectory: tuple[tuple[int, str], ...] = ()  # `adaptive`: (tree clock, setting chosen)
     store_blocks: int | None = None  # with a KV store
     store_hit_tokens: int | None = None  # the part of hit_tokens fetched from the store
 
     def as_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "window_trajectory"}
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "trajectory"}
 
 
 class Hits(NamedTuple):
     tokens: int  # prompt tokens found in the cache
     host_tokens: int  # of them, those loaded back from the host tier
     store_tokens: int = 0  # of them, those fetched from the KV store
-    window_trajectory: tuple[tuple[int, float], ...] = ()  # the `adaptive` policy's window
+    trajectory: tuple[tuple[int, str], ...] = ()  # the `adaptive` policy's settings
 
 
 class SimulatedStore:
@@ -264,7 +264,7 @@ def simulate(
                 tokens_per_s=prompt_tokens / seconds,
                 host_blocks=host_blocks,
                 host_hit_tokens=hits.host_tokens if host_blocks is not None else None,
-                window_trajectory=hits.window_trajectory,
+                trajectory=hits.trajectory,
                 store_blocks=store_blocks,
                 store_hit_tokens=hits.store_tokens if store_blocks is not None else None,
             )
@@ -314,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trajectory",
         type=Path,
-        help="write the adaptive policy's window share over time here (JSONL, one line per capacity)",
+        help="write the settings the adaptive policy chose over time here (JSONL, one line per capacity)",
     )
 
 
@@ -353,11 +353,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_trajectories(path: Path, results: list[SimulationResult]) -> None:
-    """One JSON line per `adaptive` run: its capacity and `[ghost hits, window share]` pairs."""
+    """One JSON line per `adaptive` run: its capacity, and the settings it chose as `[request,
+    setting]` pairs (the tree's clock counts a match and an insert per request)."""
     with path.open("w", encoding="utf-8") as f:
         for r in results:
             if r.eviction == Adaptive.name:
-                row = {"capacity_blocks": r.capacity_blocks, "window_share": list(r.window_trajectory)}
+                chosen = [[clock // 2, setting] for clock, setting in r.trajectory]
+                row = {"capacity_blocks": r.capacity_blocks, "settings": chosen}
                 f.write(json.dumps(row) + "\n")
 
 

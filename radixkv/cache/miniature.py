@@ -1,0 +1,315 @@
+"""Miniature simulation: a few scaled-down caches over a sample of the block keys, one per
+eviction setting the `adaptive` policy can take, run side by side on the live traffic.
+
+Spatial sampling (Waldspurger et al., "Cache Modeling and Optimization using Miniature
+Simulations", USENIX ATC 2017): a block is in the sample when a hash of its identity falls below
+`rate`, and a cache of `rate * capacity` blocks fed only the sampled blocks' accesses has about
+the hit rate of the full cache under the same policy, since every access to a sampled block is
+seen and none of another's. `rate` is chosen so that each miniature holds `SAMPLE_BLOCKS`
+blocks (all of them, rate 1, for pools that small): the work per access is then the same at
+every capacity, and a miniature of 256 blocks ranks settings within about a percent of hit
+rate on the shipped traces.
+
+A block's identity is its tokens and position, as the radix tree keys blocks, so the sample
+does not depend on how the live tree happens to cut its edges. Blocks that are not full are
+left out (their tokens are not final).
+
+Each miniature is independent of the live cache and of the others; only the frequency counts
+(`Counts`) are shared, since how often a key was seen does not depend on what a cache holds.
+`Miniatures.scores` are the hits of each miniature, scaled down after every decision so that
+they follow a changing workload; `Miniatures.decide` compares them, each corrected by how the
+live cache fared against its miniature when it ran that setting.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from bisect import bisect_left
+from collections import OrderedDict
+from typing import NamedTuple
+
+import xxhash
+
+SAMPLE_BLOCKS = 256  # blocks in each miniature cache
+# How far a setting's score is scaled by the live cache's record with it: one period's record
+# is noisy, so it may correct a miniature by 15% at most either way.
+CALIBRATION = (0.85, 1.15)
+DECAY = 0.7  # of the scores at each decision: the last three or so periods count
+PROTECTED_SHARE = 0.8  # of a W-TinyLFU main area, as Caffeine keeps it
+ATTENTION_TOKENS = 32768  # GDSF's recompute cost of a block: 1 + its position / this
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio
+_MASK = (1 << 64) - 1
+_HALF = 1 << 63
+
+
+class Setting(NamedTuple):
+    """One setting `adaptive` can run in: W-TinyLFU with this window share (1.0 is LRU
+    exactly), or GDSF (`window` None)."""
+
+    name: str
+    window: float | None
+
+
+LRU_SETTING = Setting("lru", 1.0)
+GDSF_SETTING = Setting("gdsf", None)
+# The window shares that matter, from the evidence: about 1% where most blocks are used once
+# (Caffeine's default too), LRU where recency is all there is, and GDSF where deep, often-used
+# prefixes should outlive shallow ones; 20% bridges the two ends.
+SETTINGS = (
+    Setting("window 0.01", 0.01),
+    Setting("window 0.2", 0.2),
+    LRU_SETTING,
+    GDSF_SETTING,
+)
+
+
+class Counts:
+    """How often each sampled key was seen lately: exact counts, all halved (zeros dropped)
+    after every `period` additions, as TinyLFU ages its sketch. At most `period` keys are added
+    between halvings and a survivor was seen at least twice, so it never holds more than
+    `1.5 * period` keys."""
+
+    def __init__(self, period: int) -> None:
+        self.period = period
+        self.counts: dict[int, int] = {}
+        self.additions = 0
+
+    def add(self, key: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.additions += 1
+        if self.additions >= self.period:
+            self.counts = {k: c >> 1 for k, c in self.counts.items() if c > 1}
+            self.additions = 0
+
+    def get(self, key: int) -> int:
+        return self.counts.get(key, 0)
+
+
+class MiniLRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[int, None] = OrderedDict()
+
+    def access(self, key: int, position: int) -> bool:
+        entries = self.entries
+        if key in entries:
+            entries.move_to_end(key)
+            return True
+        entries[key] = None
+        if len(entries) > self.capacity:
+            entries.popitem(last=False)
+        return False
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class MiniTinyLFU:
+    """W-TinyLFU over blocks: an LRU window of `window * capacity` blocks, then a segmented LRU
+    main area whose door a window's overflow passes only if seen more often than the block it
+    would push out."""
+
+    def __init__(self, capacity: int, window: float, counts: Counts) -> None:
+        self.window_size = max(1, round(window * capacity))
+        self.main_size = capacity - self.window_size
+        self.protected_size = int(PROTECTED_SHARE * self.main_size)
+        self.counts = counts
+        self.window: OrderedDict[int, None] = OrderedDict()
+        self.probation: OrderedDict[int, None] = OrderedDict()
+        self.protected: OrderedDict[int, None] = OrderedDict()
+
+    def access(self, key: int, position: int) -> bool:
+        if key in self.window:
+            self.window.move_to_end(key)
+            return True
+        if key in self.protected:
+            self.protected.move_to_end(key)
+            return True
+        if key in self.probation:
+            del self.probation[key]
+            self.protected[key] = None
+            if len(self.protected) > self.protected_size:
+                demoted, _ = self.protected.popitem(last=False)
+                self.probation[demoted] = None
+            return True
+        self.window[key] = None
+        if len(self.window) > self.window_size:
+            self._admit(self.window.popitem(last=False)[0])
+        return False
+
+    def _admit(self, candidate: int) -> None:
+        if len(self.probation) + len(self.protected) < self.main_size:
+            self.probation[candidate] = None
+            return
+        if not self.main_size:
+            return
+        main = self.probation if self.probation else self.protected
+        victim = next(iter(main))
+        if self.counts.get(candidate) > self.counts.get(victim):
+            del main[victim]
+            self.probation[candidate] = None
+
+    def __len__(self) -> int:
+        return len(self.window) + len(self.probation) + len(self.protected)
+
+
+class MiniGDSF:
+    """GDSF over blocks, as `radixkv.cache.eviction.GDSF` ranks leaves: priority inflation plus
+    (hits + 1) * recompute cost, the least first, the least recent among equals. A hit only
+    raises the block's entry; the heap's copy, never above it, is brought up to date when it
+    reaches the top (a popped copy that matches its entry is the true least)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.inflation = 0.0
+        self.entries: dict[int, tuple[float, int, int]] = {}  # key -> (priority, stamp, hits)
+        self.heap: list[tuple[float, int, int]] = []  # (priority, stamp, key), one per entry
+        self.clock = 0
+
+    def access(self, key: int, position: int) -> bool:
+        self.clock += 1
+        entry = self.entries.get(key)
+        hits = 0 if entry is None else entry[2] + 1
+        priority = self.inflation + (hits + 1) * (1.0 + position / ATTENTION_TOKENS)
+        self.entries[key] = (priority, self.clock, hits)
+        if entry is not None:
+            return True
+        heapq.heappush(self.heap, (priority, self.clock, key))
+        if len(self.entries) > self.capacity:
+            self._evict()
+        return False
+
+    def _evict(self) -> None:
+        heap, entries = self.heap, self.entries
+        while True:
+            priority, stamp, key = heap[0]
+            current = entries[key]
+            if current[1] == stamp:
+                heapq.heappop(heap)
+                del entries[key]
+                self.inflation = max(self.inflation, priority)
+                return
+            heapq.heapreplace(heap, (current[0], current[1], key))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class Miniatures:
+    """One miniature cache per setting over the sampled blocks of a pool of `num_blocks`."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        settings: tuple[Setting, ...] = SETTINGS,
+        sample_blocks: int = SAMPLE_BLOCKS,
+    ) -> None:
+        self.block_size = block_size
+        self.settings = settings
+        self.rate = min(1.0, sample_blocks / max(num_blocks, 1))
+        self.threshold = int(self.rate * (1 << 64))
+        self._depths: list[int] = []  # the sampled block depths (position // block size), ascending
+        self._depth_limit = 0  # depths below this are decided
+        self.capacity = max(1, round(self.rate * num_blocks))
+        self.counts = Counts(10 * self.capacity)
+        self.caches = [self._make(s) for s in settings]
+        self.scores = [0.0] * len(settings)  # each miniature's hits, scaled by DECAY each period
+        self.accesses = 0  # sampled block accesses this period
+        self._period_hits = [0] * len(settings)
+        self._live_hits = 0  # of this period's sampled accesses, those the live cache found
+        self._live = [0.0] * len(settings)  # the live cache's hits while it ran a setting...
+        self._mini = [0.0] * len(settings)  # ... and that setting's miniature's, over the same
+        self._measured = [False] * len(settings)
+        self._current, self._settled = -1, False
+
+    def _make(self, setting: Setting) -> MiniLRU | MiniTinyLFU | MiniGDSF:
+        if setting.window is None:
+            return MiniGDSF(self.capacity)
+        if setting.window >= 1.0:
+            return MiniLRU(self.capacity)
+        return MiniTinyLFU(self.capacity, setting.window, self.counts)
+
+    def sample(self, tokens: list[int], start: int, first: int = 0) -> list[tuple[int, int]]:
+        """(position, key) of the sampled full blocks among `tokens` (an edge beginning at
+        position `start`, a block multiple), from its `first` block on."""
+        B = self.block_size
+        base = start // B
+        out = []
+        for depth in self._depths_between(base + first, base + len(tokens) // B):
+            at = (depth - base) * B
+            data = array("q", tokens[at : at + B]).tobytes()
+            out.append((depth * B, xxhash.xxh3_64_intdigest(data, seed=depth)))
+        return out
+
+    def _depths_between(self, lo: int, hi: int) -> list[int]:
+        """The sampled block depths in [lo, hi): depth d is in when the Weyl sequence 1/2 + d *
+        golden ratio (mod 1) falls below `rate`, which spaces the sampled depths evenly and
+        leaves out depth 0, the first block of every prompt and so the hottest, unless the rate
+        is above one half; decided 4,096 depths at a time, as far as asked."""
+        depths, threshold = self._depths, self.threshold
+        while self._depth_limit < hi:
+            start = self._depth_limit
+            self._depth_limit += 4096
+            new = range(start, self._depth_limit)
+            depths += [d for d in new if (_HALF + d * _GOLDEN) & _MASK < threshold]
+        return depths[bisect_left(depths, lo) : bisect_left(depths, hi)]
+
+    def access(self, blocks: list[tuple[int, int]] | tuple[tuple[int, int], ...], live_hit: bool) -> None:
+        """Every miniature sees each of `blocks` (position, key) accessed, in order; the live
+        cache found them all (`live_hit`) or computed them all."""
+        hits = self._period_hits
+        for position, key in blocks:
+            self.counts.add(key)
+            for i, cache in enumerate(self.caches):
+                if cache.access(key, position):
+                    hits[i] += 1
+        if live_hit:
+            self._live_hits += len(blocks)
+        self.accesses += len(blocks)
+
+    def decide(self, current: int, margin: float) -> int:
+        """Ends a period with `settings[current]` live; returns the setting to run next.
+
+        A miniature ranks settings, but the live tree evicts whole leaves where a miniature
+        evicts blocks, so for W-TinyLFU above all the two can part (on the Mooncake trace at
+        4,000 blocks the miniature of the 1% window leads while the live cache at that window
+        hits 15% less than LRU). So each setting's score is scaled by what the live cache
+        achieved against that setting's miniature over the same sampled blocks, while it ran
+        that setting, within `CALIBRATION` (the two periods after a switch are left out, the
+        live cache holding what the previous setting kept). Each setting is run once until it
+        has a record, in `settings` order; then the best scaled score wins if it beats the
+        current one's by more than `margin`.
+        """
+        if current == self._current and self._settled:
+            self._live[current] = DECAY * self._live[current] + self._live_hits
+            self._mini[current] = DECAY * self._mini[current] + self._period_hits[current]
+            self._measured[current] = True
+        self._settled = current == self._current
+        self._current = current
+        self.scores = [DECAY * s + h for s, h in zip(self.scores, self._period_hits, strict=True)]
+        self._period_hits = [0] * len(self.settings)
+        self._live_hits = self.accesses = 0
+        if not self._measured[current]:
+            return current
+        unknown = [i for i, known in enumerate(self._measured) if not known]
+        if unknown:
+            return unknown[0]
+        scaled = [s * self.calibration(i) for i, s in enumerate(self.scores)]
+        best = max(range(len(scaled)), key=scaled.__getitem__)
+        return best if scaled[best] > (1.0 + margin) * scaled[current] else current
+
+    def calibration(self, i: int) -> float:
+        """The live cache's hits per hit of setting `i`'s miniature while it ran `i`."""
+        if self._mini[i] < 1.0:
+            return 1.0
+        low, high = CALIBRATION
+        return min(high, max(low, self._live[i] / self._mini[i]))
+
+    @property
+    def max_entries(self) -> int:
+        """What the miniatures can hold at most, in keys: each miniature's capacity (GDSF's
+        twice, its heap beside its entries) and the shared counts."""
+        per_cache = sum(2 * self.capacity if s.window is None else self.capacity for s in self.settings)
+        return per_cache + int(1.5 * self.counts.period)
