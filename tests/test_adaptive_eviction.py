@@ -196,9 +196,10 @@ def test_a_miniature_over_sampled_depths_estimates_the_full_lrus_hit_rate(num_bl
     assert 0.2 < true_rate < 0.95 and abs(mini_rate - true_rate) < 0.04, (mini_rate, true_rate)
 
 
-def test_the_miniatures_memory_does_not_grow_with_the_pool():
+def test_the_miniatures_hold_at_most_20_keys_per_16_blocks_of_the_pool():
     small, large = miniature.Miniatures(4000, 16), miniature.Miniatures(1_000_000, 16)
-    assert small.max_entries == large.max_entries == 3 * 256 + 2 * 256 + 1.5 * 2560
+    assert small.max_entries == 5 * 250 + 15 * 250 and large.max_entries == 5 * 62_500 + 15 * 62_500
+    assert miniature.Miniatures(100, 16).max_entries == 5 * 64 + 15 * 64
     rng = random.Random(1)
     for _ in range(200):
         large.access([(16 * rng.randrange(10**5), rng.getrandbits(64)) for _ in range(50)], False)

@@ -195,24 +195,25 @@ class Adaptive(EvictionPolicy):
     most blocks are used once a window of about 1% keeps 1.25-1.45x LRU's hits, where recency
     is all there is LRU wins, and on the Mooncake conversation trace GDSF beats both. So beside
     the live cache run miniatures of each setting (`SETTINGS`: windows of 1% and 20%, LRU,
-    GDSF), 256 blocks each over a sample of the block depths; after every `decide_every`
-    sampled block accesses (256 by default, about one miniature-full) the live cache moves to
-    the setting whose miniature hit most lately, each miniature's score corrected by how the
-    live cache fared against it when it ran that setting (`Miniatures.decide`), if it beat the
-    current one's by more than `MARGIN`. It starts at the 1% window (`window`), where the
-    evidence puts large caches under one-use traffic, and tries each other setting once for
-    three periods to learn its correction. A period is 6 to 110 requests on the shipped
-    traces (Mooncake at 1,000 blocks; the one-use workload at 16,000), so the exploration ends
-    within the first 2% to 30% of them, and a later change of traffic is followed within about
-    three periods (scores decay by `DECAY` each). Moving between windows is free (the window's
-    overflow queues for its duels); moving to or from GDSF re-keys the evictable leaves once,
-    O(n log n). `trajectory` keeps the last 4,096 (tree clock, setting) choices.
+    GDSF), each a sixteenth of the pool over a sixteenth of the block depths. After every
+    `decide_every` sampled block accesses (a miniature-full by default: one pool-full of the
+    traffic's blocks) the live cache moves to the setting whose miniature hit most lately, each
+    miniature's score corrected by how the live cache fared against it when it ran that
+    setting (`Miniatures.decide`), if it beats the current one's by more than `MARGIN`. It
+    starts at the 1% window (`window`), where the evidence puts large caches under one-use
+    traffic, and runs each other setting once (three periods: two to settle, one measured) to
+    learn its correction, so it has explored after about 13 periods. A period is the pool's
+    size over the blocks per request: on the shipped traces and workloads from 7 requests
+    (docs at 1,000 blocks) to 750 (chat at 16,000); a later change of traffic is followed
+    within about three periods (scores decay by `DECAY` each). Moving between windows is free
+    (the window's overflow queues for its duels); moving to or from GDSF re-keys the evictable
+    leaves once, O(n log n). `trajectory` keeps the last 4,096 (tree clock, setting) choices.
 
     Cost: keys are `(segment, stamp)`, so a segment's least recent leaf is a bisection of the
     tree's sorted leaves; a duel, a demotion and a touch are O(log n) plus an O(block size)
-    hash; each sampled block costs one access in each miniature, O(1) (GDSF's O(log 256)) and,
-    when new, one hash. Memory beside the sketch is bounded by `Miniatures.max_entries` (5,120
-    keys) whatever the pool's size.
+    hash; each sampled block (a sixteenth) costs one access in each miniature, O(1) (GDSF's
+    O(log n)) and, when new, one hash. Memory beside the sketch is bounded by
+    `Miniatures.max_entries`: 1.25 keys per block of the pool.
     """
 
     name = "adaptive"

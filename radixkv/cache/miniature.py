@@ -1,18 +1,19 @@
-"""Miniature simulation: a few scaled-down caches over a sample of the block keys, one per
-eviction setting the `adaptive` policy can take, run side by side on the live traffic.
+"""Miniature simulation: a few scaled-down caches over a sample of the blocks, one per eviction
+setting the `adaptive` policy can take, run side by side on the live traffic.
 
 Spatial sampling (Waldspurger et al., "Cache Modeling and Optimization using Miniature
-Simulations", USENIX ATC 2017): a block is in the sample when a hash of its identity falls below
-`rate`, and a cache of `rate * capacity` blocks fed only the sampled blocks' accesses has about
-the hit rate of the full cache under the same policy, since every access to a sampled block is
-seen and none of another's. `rate` is chosen so that each miniature holds `SAMPLE_BLOCKS`
-blocks (all of them, rate 1, for pools that small): the work per access is then the same at
-every capacity, and a miniature of 256 blocks ranks settings within about a percent of hit
-rate on the shipped traces.
+Simulations", USENIX ATC 2017): a cache of `rate * capacity` blocks fed only the accesses to a
+sampled `rate` of the blocks has about the hit rate of the full cache under the same policy,
+since every access to a sampled block is seen and none of another's. Here the sample is of block
+depths (position // block size), spaced evenly, rather than of hashed identities: every prompt
+covers the depths from 0 to its length, so each one gives the sample its share of blocks and
+the estimate's noise is that of a systematic sample, not of a coin per block. `rate` is
+`SAMPLE_RATE` (a sixteenth: the work stays a fixed share of the traffic's), with at least
+`MIN_SAMPLE_BLOCKS` blocks in each miniature (all of them, rate 1, for pools that small).
 
-A block's identity is its tokens and position, as the radix tree keys blocks, so the sample
-does not depend on how the live tree happens to cut its edges. Blocks that are not full are
-left out (their tokens are not final).
+A sampled block is known by its tokens and position, as the radix tree keys blocks, so the
+sample does not depend on how the live tree happens to cut its edges. Blocks that are not
+full are left out (their tokens are not final).
 
 Each miniature is independent of the live cache and of the others; only the frequency counts
 (`Counts`) are shared, since how often a key was seen does not depend on what a cache holds.
@@ -31,7 +32,8 @@ from typing import NamedTuple
 
 import xxhash
 
-SAMPLE_BLOCKS = 256  # blocks in each miniature cache
+SAMPLE_RATE = 1 / 16  # of the block depths
+MIN_SAMPLE_BLOCKS = 64  # in each miniature, however small the pool
 # How far a setting's score is scaled by the live cache's record with it: one period's record
 # is noisy, so it may correct a miniature by 15% at most either way.
 CALIBRATION = (0.85, 1.15)
@@ -204,17 +206,18 @@ class Miniatures:
         num_blocks: int,
         block_size: int,
         settings: tuple[Setting, ...] = SETTINGS,
-        sample_blocks: int = SAMPLE_BLOCKS,
+        rate: float = SAMPLE_RATE,
     ) -> None:
         self.block_size = block_size
         self.settings = settings
-        self.rate = min(1.0, sample_blocks / max(num_blocks, 1))
+        self.rate = min(1.0, max(rate, MIN_SAMPLE_BLOCKS / max(num_blocks, 1)))
         self.threshold = int(self.rate * (1 << 64))
         self._depths: list[int] = []  # the sampled block depths (position // block size), ascending
         self._depth_limit = 0  # depths below this are decided
         self.capacity = max(1, round(self.rate * num_blocks))
         self.counts = Counts(10 * self.capacity)
         self.caches = [self._make(s) for s in settings]
+        self._accessors = list(enumerate(c.access for c in self.caches))
         self.scores = [0.0] * len(settings)  # each miniature's hits, scaled by DECAY each period
         self.accesses = 0  # sampled block accesses this period
         self._period_hits = [0] * len(settings)
@@ -259,11 +262,11 @@ class Miniatures:
     def access(self, blocks: list[tuple[int, int]] | tuple[tuple[int, int], ...], live_hit: bool) -> None:
         """Every miniature sees each of `blocks` (position, key) accessed, in order; the live
         cache found them all (`live_hit`) or computed them all."""
-        hits = self._period_hits
+        hits, add, caches = self._period_hits, self.counts.add, self._accessors
         for position, key in blocks:
-            self.counts.add(key)
-            for i, cache in enumerate(self.caches):
-                if cache.access(key, position):
+            add(key)
+            for i, access in caches:
+                if access(key, position):
                     hits[i] += 1
         if live_hit:
             self._live_hits += len(blocks)
@@ -310,6 +313,7 @@ class Miniatures:
     @property
     def max_entries(self) -> int:
         """What the miniatures can hold at most, in keys: each miniature's capacity (GDSF's
-        twice, its heap beside its entries) and the shared counts."""
+        twice, its heap beside its entries) and the shared counts. With the default settings
+        and rate, 20 keys per 16 blocks of the pool (1.25 a block), at least 1,280."""
         per_cache = sum(2 * self.capacity if s.window is None else self.capacity for s in self.settings)
         return per_cache + int(1.5 * self.counts.period)
