@@ -1,8 +1,8 @@
 """The installed layout: one import name, `radixkv`, and the cache and CLI free of torch.
 
-Run in a subprocess outside the repository folder, so that the checkout's top-level `kernels/`
-and `scheduler/` folders cannot be found through the working directory: what is checked is what
-`pip install` made. The engine's own children start without the working directory on their path.
+Run in a subprocess outside the repository folder, so that nothing in the checkout can be found
+through the working directory: what is checked is what `pip install` made. The engine's own
+children start without the working directory on their path.
 """
 
 import subprocess
