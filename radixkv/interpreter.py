@@ -1,17 +1,16 @@
 """How radixkv starts a Python child: this interpreter, without the working directory on
 `sys.path`.
 
-Why. `python -m` and `python -c` put the working directory first on a child's `sys.path`, and a
-child started in a checkout of this repository would then import the checkout's top-level
-`kernels/` folder (the source of `radixkv.kernels`) wherever another package imports a top-level
-`kernels`: transformers 5.25 and later import Hugging Face's `kernels` package at startup, so
-such a child would fail to import transformers. `-P` (Python 3.11 and later) leaves the working
-directory out; the child finds radixkv where it is installed, as any other package.
+Why. `python -m` and `python -c` put the working directory first on a child's `sys.path`, so a
+folder there named as a package the child imports would be imported in its place (a user's
+`kernels/` instead of Hugging Face's `kernels`, which transformers 5.25 and later import as they
+build a model). `-P` (Python 3.11 and later) leaves the working directory out; the child finds
+radixkv and its dependencies where they are installed. A checkout of this repository holds no
+such folder (radixkv's kernels and scheduler are inside `radixkv/`), so started there a child is
+safe either way (`tests/test_layout.py`).
 
-Only children started through `python_argv` are covered. Ray adds its driver's working directory
-to every replica's path, and a process started as `python -m` or `-c` in the checkout (a user's
-front end, and the tensor-parallel workers and cores that take its path) has it too, so
-`pyproject.toml` keeps transformers below 5.25.
+Only children started through `python_argv` are covered: Ray adds its driver's working directory
+to every replica's path, and a process started as `python -m` or `-c` has it too.
 """
 
 from __future__ import annotations

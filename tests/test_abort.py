@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from radixkv.scheduler.request import Status
 
 from radixkv import BeamSearchParams, Engine, SamplingParams
+from radixkv.scheduler.request import Status
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 16}
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

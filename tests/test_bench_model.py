@@ -20,12 +20,16 @@ def test_forward_flops_equal_torchs_flop_count_of_a_plain_forward():
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter, torch.inference_mode():
         loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    # The rotary angles are no work of the weights, and transformers 5.0 counts them (a small
+    # matmul of frequencies by positions) where later releases do not (elementwise).
+    counts = counter.get_flop_counts()
+    rotary = sum(sum(ops.values()) for module, ops in counts.items() if module.endswith(".rotary_emb"))
     costs = ForwardCosts.of(loaded)
     # Eager attention multiplies every query with every key (masked after): tokens^2 keys a layer.
     square = 4 * costs.attention_width * tokens * tokens * loaded.num_layers
     causal = costs.forward_flops(loaded.num_layers, [(tokens, 0)], logit_rows=1)
     causal_attention = 4 * costs.attention_width * (tokens * (tokens + 1) // 2) * loaded.num_layers
-    assert counter.get_total_flops() == causal - causal_attention + square
+    assert counter.get_total_flops() - rotary == causal - causal_attention + square
 
 
 def test_forward_flops_count_the_keys_each_new_token_sees():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from radixkv.kernels import cache_ops, copy_blocks, store_kv
 from radixkv.kernels.launch_plan import INTERPRETED, CopyPlan
 from radixkv.kernels.reference import copy_blocks_ref, store_kv_ref

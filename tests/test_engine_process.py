@@ -22,7 +22,6 @@ import pytest
 import zmq
 from core_faults import POISON, forbid_decoding
 from processes import children, exited
-from radixkv.scheduler.request import Status
 from test_server import serve
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
@@ -36,6 +35,7 @@ from radixkv.engine_process.messages import (
     unpack_ids,
 )
 from radixkv.errors import EngineDeadError, InvariantError
+from radixkv.scheduler.request import Status
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 
 import pytest
-from radixkv.scheduler.chunk import SequenceChunk
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
+from radixkv.scheduler.chunk import SequenceChunk
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 16, "max_num_seqs": 4}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

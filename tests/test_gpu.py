@@ -16,13 +16,13 @@ import random
 
 import pytest
 import torch
-from radixkv.kernels import paged_attention
-from radixkv.kernels.dispatch import interpreted
-from radixkv.kernels.reference import paged_attention_ref
 from test_cache_ops import assert_store_then_copy_match_reference
 
 from radixkv import BeamSearchParams, Engine, EngineConfig, SamplingParams
 from radixkv.cli import main
+from radixkv.kernels import paged_attention
+from radixkv.kernels.dispatch import interpreted
+from radixkv.kernels.reference import paged_attention_ref
 
 pytestmark = [
     pytest.mark.gpu,

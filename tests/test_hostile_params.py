@@ -19,12 +19,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from radixkv.scheduler import scheduler as scheduler_module
-from radixkv.scheduler.beam_search import BeamSearch
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
 from radixkv.sampling.sampler import make_generator, sample
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, MAX_LENGTH_PENALTY
+from radixkv.scheduler import scheduler as scheduler_module
+from radixkv.scheduler.beam_search import BeamSearch
 
 VOCAB = 259
 BROKE_A_STEP = [0, -1, 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1]

@@ -6,8 +6,7 @@ at module level or inside a function (a deferred import still ties two modules t
 do the ones under `if TYPE_CHECKING:`, marked type-only. A type-only edge is no runtime circle,
 but a reader and a reviewer's import graph still see it; a protocol of what the module needs
 (`radixkv.chat_session.ChatEngine`, `radixkv.cache.eviction.EvictableNode`) unties it instead.
-Names resolve as installed: the top-level folders `kernels/` and `scheduler/` are
-`radixkv.kernels` and `radixkv.scheduler` (pyproject's `package-dir`).
+Modules are the `.py` files under `radixkv/`, named as installed.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {"radixkv": "radixkv", "radixkv.kernels": "kernels", "radixkv.scheduler": "scheduler"}
+PACKAGE_DIRS = {"radixkv": "radixkv"}
 
 
 class Edge(NamedTuple):

@@ -12,11 +12,11 @@ import weakref
 
 import pytest
 import torch
+
+from radixkv.interpreter import python_argv
 from radixkv.kernels import copy_blocks, paged_attention, plan_paged_attention, store_kv
 from radixkv.kernels.dispatch import _SHALLOW_STACK, interpreted
 from radixkv.kernels.reference import paged_attention_ref
-
-from radixkv.interpreter import python_argv
 
 
 def test_cpu_tensors_are_interpreted_and_cuda_tensors_compiled():

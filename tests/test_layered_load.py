@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import transformers_greedy
 from test_engine_host_tier import engine, prompts
 from test_failures import no_leaks
@@ -22,6 +21,7 @@ from test_failures import no_leaks
 from radixkv import Engine, RequestError, SamplingParams
 from radixkv.model.layered_load import LayeredLoad
 from radixkv.model.runner import ModelRunner
+from radixkv.scheduler.chunk import SequenceChunk
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 from test_beam_search import search_all, transformers_beams
 from test_engine import no_leaks, transformers_greedy
 
@@ -22,6 +21,7 @@ from radixkv.cache.kv_groups import kv_groups
 from radixkv.model.loader import LoadedModel, layer_windows, load_model
 from radixkv.model.presets import PRESETS, SLIDING_WINDOW
 from radixkv.model.runner import ModelRunner, kv_block_bytes
+from radixkv.scheduler.chunk import SequenceChunk
 
 FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-mixtral", "tiny-qwen2-moe"]
 FAMILIES.append("tiny-qwen3-moe")

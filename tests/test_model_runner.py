@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 from transformers import PreTrainedModel
 
 from radixkv.model.loader import LoadedModel
 from radixkv.model.runner import ModelRunner
+from radixkv.scheduler.chunk import SequenceChunk
 
 ATOL = 1e-4
 

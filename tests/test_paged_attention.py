@@ -15,12 +15,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
+from radixkv.interpreter import python_argv
 from radixkv.kernels import launch_plan, paged_attention
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
 from radixkv.kernels.paged_attention import launch_attention
 from radixkv.kernels.reference import paged_attention_ref
-
-from radixkv.interpreter import python_argv
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

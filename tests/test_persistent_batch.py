@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 
 from radixkv.model.persistent_batch import PersistentBatch
+from radixkv.scheduler.chunk import SequenceChunk
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 64, 4, 80
 

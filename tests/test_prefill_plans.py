@@ -14,6 +14,8 @@ import importlib
 
 import pytest
 import torch
+from test_paged_attention import DEVICE, assert_matches_reference, make_batch
+
 from radixkv.kernels import launch_plan, paged_attention
 from radixkv.kernels.launch_plan import (
     FALLBACK_PREFILL_TILE,
@@ -24,7 +26,6 @@ from radixkv.kernels.launch_plan import (
 )
 from radixkv.kernels.paged_attention import launch_attention, plan_paged_attention
 from radixkv.kernels.reference import paged_attention_ref
-from test_paged_attention import DEVICE, assert_matches_reference, make_batch
 
 ATTENTION = importlib.import_module("radixkv.kernels.paged_attention")  # the package's name is the function
 # Ragged: a long prefill over several tiles of 128 rows, extends, decodes, odd lengths.

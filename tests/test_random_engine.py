@@ -19,10 +19,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 from random_runs import run_length
 
 from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
+from radixkv.scheduler.chunk import SequenceChunk
 
 BLOCK = 4
 VOCAB = 259

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radixkv.scheduler.chunk import SequenceChunk
 
 from radixkv.model.loader import LoadedModel
 from radixkv.model.runner import ModelRunner
 from radixkv.sampling.sampler import apply_top_k_top_p, compute_logprobs, make_generator, sample
 from radixkv.sampling_params import SamplingParams
+from radixkv.scheduler.chunk import SequenceChunk
 
 
 def allowed_directly(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:

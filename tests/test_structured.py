@@ -9,9 +9,9 @@ import re
 import threading
 
 import pytest
-import radixkv.scheduler.scheduler as scheduler_module
 import torch
 
+import radixkv.scheduler.scheduler as scheduler_module
 from radixkv import Engine
 from radixkv.errors import RequestError
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer

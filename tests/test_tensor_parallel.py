@@ -22,7 +22,6 @@ import pytest
 import torch
 from conftest import TINY_SIZES
 from processes import children, reaped
-from radixkv.scheduler.chunk import SequenceChunk
 from test_engine import no_leaks, prompts, transformers_greedy
 from transformers import LlamaConfig, MistralConfig
 
@@ -33,6 +32,7 @@ from radixkv.model.loader import build_random_model
 from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.tensor_parallel import plan_shards
 from radixkv.model.tokenizer import build_byte_tokenizer
+from radixkv.scheduler.chunk import SequenceChunk
 
 pytestmark = pytest.mark.slow  # every test starts tensor-parallel worker processes
 

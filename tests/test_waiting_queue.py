@@ -1,7 +1,6 @@
+from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler.request import Request, Sequence
 from radixkv.scheduler.waiting_queue import AGING_TOKENS_PER_STEP, WaitingQueue
-
-from radixkv.sampling_params import SamplingParams
 
 
 def request(name: str, tokens: list[int], arrival: float) -> Request:

@@ -30,10 +30,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from radixkv.scheduler.beam_search import BeamSearch
-from radixkv.scheduler.chunk import SequenceChunk
-from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
-from radixkv.scheduler.waiting_queue import WaitingQueue
 
 from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
@@ -43,6 +39,10 @@ from radixkv.outputs import TokenLogprob
 from radixkv.sampling.logits_processors import TokenMask
 from radixkv.sampling.sampler import compute_logprobs, make_generator, sample, token_logprobs
 from radixkv.sampling_params import sample_seed
+from radixkv.scheduler.beam_search import BeamSearch
+from radixkv.scheduler.chunk import SequenceChunk
+from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
+from radixkv.scheduler.waiting_queue import WaitingQueue
 from radixkv.structured.masks import MaskFiller
 
 

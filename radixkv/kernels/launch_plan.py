@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from radixkv.kernels.dispatch import FORCE_INTERPRET
 
 INTERPRETED: bool = FORCE_INTERPRET or not torch.cuda.is_available()

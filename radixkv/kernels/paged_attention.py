@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
 from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
 from radixkv.kernels.dispatch import dual_jit, interpreted, launch_guard
 from radixkv.kernels.launch_plan import (
