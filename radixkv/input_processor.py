@@ -18,6 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.excerpt import excerpt
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.sampling.sampler import make_generator
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
@@ -95,7 +96,9 @@ class InputProcessor:
         if isinstance(params, SamplingParams | BeamSearchParams) and not isinstance(params, expected):
             raise TypeError(f"{call} takes {expected[0].__name__}, got {type(params).__name__}")
         if not isinstance(params, expected):
-            raise ValueError(f"params must be {' or '.join(t.__name__ for t in expected)}, got {params!r}")
+            raise ValueError(
+                f"params must be {' or '.join(t.__name__ for t in expected)}, got {excerpt(params)}"
+            )
         params.validate()
         params = copy.deepcopy(params)  # later changes by the caller do not reach the running request
         ids = self.prompt_ids(prompt)
@@ -106,9 +109,9 @@ class InputProcessor:
             while request_id in in_use:
                 request_id = str(next(self._ids))
         elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise ValueError(f"request_id must be a non-empty string, got {excerpt(request_id)}")
         elif request_id in in_use:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ValueError(f"request_id {excerpt(request_id)} is already in use")
         seq = Sequence(list(ids), len(ids))
         if isinstance(params, SamplingParams):
             if params.seed is not None and self.device is not None:
@@ -118,9 +121,9 @@ class InputProcessor:
             if params.logprobs is not None:
                 seq.token_logprobs = []
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+            raise ValueError(f"session_id must be a non-empty string, got {excerpt(session_id)}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+            raise ValueError(f"cache_salt must be a non-empty string, got {excerpt(cache_salt)}")
         request = Request(request_id, list(ids), params, [seq], session_id=session_id, cache_salt=cache_salt)
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -147,7 +150,7 @@ class InputProcessor:
             (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None
         )
         if bad is not None:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {excerpt(bad)}")
         return ids
 
     def _check_params(self, params: Params) -> None:

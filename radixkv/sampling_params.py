@@ -11,10 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from radixkv.excerpt import excerpt
 from radixkv.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API allows
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+"""Each stop string's length at most. The detokenizer holds back the last `len(stop) - 1`
+characters of text until it knows they do not begin a stop string, so a 1 MB stop string would
+keep a stream silent for its first million characters; 1,024 holds any real delimiter."""
 INT64_MAX = 2**63 - 1
 """Integers the sampler turns into tensors must fit int64; a larger `top_k` overflowed in a step."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -44,12 +49,12 @@ def _is_real(value: object) -> bool:
 
 def _check_int(name: str, value: object, low: int, high: int = INT64_MAX) -> None:
     if not _is_int(value) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {excerpt(value)}")
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be True or False, got {excerpt(value)}")
 
 
 @dataclass(slots=True)
@@ -62,7 +67,8 @@ class SamplingParams:
     `seed` makes a request reproducible whatever else shares its batch. `n` samples share the
     prompt's KV blocks and copy only the partly filled last block when they write. `stop`
     strings end a sample (finish_reason "stop") whose text then ends before the stop string,
-    even when the string spans several tokens. `logprobs` k (0 to 20) returns each generated
+    even when the string spans several tokens (at most 16 strings of at most 1,024 characters
+    each: `MAX_STOP_STRINGS`, `MAX_STOP_CHARS`). `logprobs` k (0 to 20) returns each generated
     token's log-probability and the k most likely alternatives; None returns none.
     `prompt_logprobs` k (0 to 20) does the same for every prompt token but the first (which has
     no context): those positions are computed even when the prefix cache holds them.
@@ -112,43 +118,57 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(
-                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+                f"temperature must be a finite number >= 0 (0 is greedy), got {excerpt(self.temperature)}"
             )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be a number in (0, 1], got {excerpt(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
-            raise ValueError(f"top_k must be -1 (off) or an integer in [1, {INT64_MAX}], got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be -1 (off) or an integer in [1, {INT64_MAX}], got {excerpt(self.top_k)}"
+            )
         low, high = SEED_RANGE
         if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
             raise ValueError(
-                f"seed must be None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}"
+                f"seed must be None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
+                f"got {excerpt(self.seed)}"
             )
         _check_int("n", self.n, 1)
         _check_bool("ignore_eos", self.ignore_eos)
         if not isinstance(self.stop_token_ids, list | tuple) or not all(
             _is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {excerpt(self.stop_token_ids)}"
+            )
         if (
             not isinstance(self.stop, list | tuple)
             or len(self.stop) > MAX_STOP_STRINGS
             or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise ValueError(
-                f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}"
+                f"stop must be a list of at most {MAX_STOP_STRINGS} non-empty strings, "
+                f"got {excerpt(self.stop)}"
+            )
+        long = next((i for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_CHARS} characters each; "
+                f"stop[{long}] has {len(self.stop[long])}"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {excerpt(value)}"
+                )
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise ValueError(f"{name} must be a number in [-2, 2], got {excerpt(value)}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(
-                f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a number > 0 (1 is off), got {excerpt(self.repetition_penalty)}"
             )
         bias = self.logit_bias
         if bias is not None and (
@@ -156,10 +176,10 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100 for t, v in bias.items())
         ):
             raise ValueError(
-                f"logit_bias must map token ids to numbers in [-100, 100], got {self.logit_bias!r}"
+                f"logit_bias must map token ids to numbers in [-100, 100], got {excerpt(self.logit_bias)}"
             )
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"min_p must be a number in [0, 1], got {excerpt(self.min_p)}")
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
@@ -208,10 +228,12 @@ class BeamSearchParams:
         if not _is_real(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
             raise ValueError(
                 f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
-                f"got {self.length_penalty!r}"
+                f"got {excerpt(self.length_penalty)}"
             )
         if not (
             self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"
         ):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {excerpt(self.early_stopping)}"
+            )
         _check_bool("ignore_eos", self.ignore_eos)

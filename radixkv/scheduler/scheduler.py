@@ -408,8 +408,11 @@ class Scheduler:
             for request, seq, token, record in zip(requests, seqs, tokens, records, strict=True):
                 if token is None or request.request_id in failed:  # its request failed
                     continue
-                if seq.grammar is not None and not seq.grammar.consume_token(token):
-                    error = ValueError(f"structured output rejected token {token}: {seq.grammar.get_error()}")
+                # A matcher in error (its grammar matches nothing more) reads as stopped: it fails
+                # the request, never finishes it as "stop" with text the grammar did not complete.
+                grammar = seq.grammar
+                if grammar is not None and (not grammar.consume_token(token) or grammar.is_error()):
+                    error = ValueError(f"structured output rejected token {token}: {grammar.get_error()}")
                     failed[request.request_id] = (request, error)
                     continue
                 if record is not None:

@@ -2,7 +2,10 @@
 
 Every refusal names what to fix: a body that is not JSON or has a wrong type is a 400 naming the
 field (pydantic's location), and an engine `ValueError` is a 400 naming the request parameter
-behind the engine field its message starts with (`engine_param`).
+behind the engine field its message starts with (`engine_param`). A message is at most
+`MAX_MESSAGE_CHARS` characters, whatever it quotes: the places that build one quote values
+through `radixkv.excerpt`, and `APIError` cuts any longer message, so no refusal echoes a large
+body back.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+MAX_MESSAGE_CHARS = 512
+
 
 @dataclass
 class APIError(Exception):
@@ -22,6 +27,10 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            self.message = f"{self.message[: MAX_MESSAGE_CHARS - 20]}... (message cut)"
 
     def __str__(self) -> str:
         return self.message
@@ -46,7 +55,8 @@ def from_validation(error: ValidationError) -> APIError:
         return APIError.bad_request(None, f"the body is not valid JSON: {first['msg']}")
     if not loc:
         return APIError.bad_request(None, f"the body must be a JSON object: {first['msg']}")
-    where = ".".join(p for p in loc if p.isdigit() or p.isidentifier())
+    # A location may hold a key the client chose (an unknown field of a strict part): cut it.
+    where = ".".join(p if len(p) <= 40 else f"{p[:40]}..." for p in loc if p.isdigit() or p.isidentifier())
     return APIError.bad_request(loc[0], f"{where}: {first['msg']}")
 
 

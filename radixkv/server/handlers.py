@@ -33,6 +33,7 @@ from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
 from radixkv.server.tools import ToolStream, template_tools
 from radixkv.server.tools import parse as parse_tool_calls
+from radixkv.structured.grammar import GrammarError
 
 log = logging.getLogger("radixkv.server")
 
@@ -139,9 +140,18 @@ async def create(
 
 async def _compile(engine: Any, asked: Structured) -> None:
     """Compiles (and so caches, for the engine) the body's grammar in a worker thread: an
-    invalid schema, regex or grammar is a 400 naming the field that asked for it."""
+    invalid schema, regex or grammar is a 400 naming the field that asked for it. A tool's
+    schema is compiled alone first, so its error is a 400 naming `tools` and the schema, in
+    the user's terms; the tool-call grammar around it is the server's and is never quoted."""
+    for where, part in asked.parts:
+        try:
+            await asyncio.to_thread(engine.grammars.check, part)
+        except GrammarError as e:
+            raise APIError.bad_request("tools", f"{where} does not compile: {e.reason}") from e
     try:
         await asyncio.to_thread(engine.grammars.check, asked.spec)
+    except GrammarError as e:
+        raise APIError.bad_request(asked.field, f"{asked.field} does not compile: {e.reason}") from e
     except ValueError as e:
         raise APIError.bad_request(asked.field, str(e)) from e
 

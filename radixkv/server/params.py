@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
+from radixkv.excerpt import excerpt
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,8 +55,14 @@ def renames(body: Body) -> dict[str, str]:
 
 
 class Structured(NamedTuple):
+    """`spec`, asked for by body field `field` (named by a 400). `parts` are the user's own
+    schemas inside a spec the server wrote (each tool's `parameters` in a tool-call grammar),
+    each with where it sits in the body: they are compiled first, so an error names the
+    schema the user wrote, never the grammar built around it."""
+
     spec: StructuredOutputs
-    field: str  # the body field that asked for it, named by a 400
+    field: str
+    parts: tuple[tuple[str, StructuredOutputs], ...] = ()
 
 
 def structured(body: Body) -> Structured | None:
@@ -96,7 +103,12 @@ def structured(body: Body) -> Structured | None:
     chat = isinstance(body, ChatCompletionRequest)
     if chat and body.tools and body.tool_choice not in (None, "auto", "none"):
         grammar = forced_grammar(body.tools, body.tool_choice)
-        asked.append(Structured(StructuredOutputs(grammar=grammar), "tool_choice"))
+        parts = tuple(
+            (f"tools[{i}].function.parameters", StructuredOutputs(json=json.dumps(t.function.parameters)))
+            for i, t in enumerate(body.tools)
+            if t.function.parameters is not None
+        )
+        asked.append(Structured(StructuredOutputs(grammar=grammar), "tool_choice", parts))
     if len(asked) > 1:
         first, second = asked[0].field, asked[1].field
         raise APIError.bad_request(second, f"{second} cannot be combined with {first}")
@@ -145,7 +157,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     bad = next((key for key in bias if not key.isdigit()), None)
     if bad is not None:
-        raise ValueError(f"logit_bias keys must be token ids written as strings, got {bad!r}")
+        raise ValueError(f"logit_bias keys must be token ids written as strings, got {excerpt(bad)}")
     return {int(key): value for key, value in bias.items()}
 
 

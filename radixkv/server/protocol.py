@@ -26,6 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from radixkv.excerpt import excerpt
 from radixkv.sampling_params import INT64_MAX, SEED_RANGE
 from radixkv.server.errors import APIError
 
@@ -254,7 +255,8 @@ class ChatCompletionRequest(_Common):
             t.function.name for t in self.tools
         }:
             raise APIError.bad_request(
-                "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+                "tool_choice",
+                f"tool_choice names {excerpt(self.tool_choice.function.name)}, which is not in tools",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs", "top_logprobs needs logprobs: true")

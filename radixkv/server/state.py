@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.excerpt import excerpt
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError
 from radixkv.server.sessions import SessionTracker
@@ -96,7 +97,7 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                f"model {excerpt(model)} is not served here; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )

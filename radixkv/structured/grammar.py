@@ -22,7 +22,10 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
+import llguidance.numpy
+import numpy
 
+from radixkv.structured.finite import has_finite_value
 from radixkv.structured.spec import StructuredOutputs
 
 COMPACT = {"whitespace_flexible": False}
@@ -66,8 +69,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec`. Raises ValueError with the library's message when the
-        grammar does not compile (an invalid schema, regex or grammar)."""
+        """A fresh matcher for `spec`. Raises `GrammarError` (a ValueError) when the grammar does
+        not compile (an invalid schema, regex or grammar), matches nothing, or is a JSON schema
+        with no finite value (`finite.has_finite_value`)."""
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
@@ -86,14 +90,39 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         spec.validate()
+        if spec.json is not None:
+            try:
+                finite = has_finite_value(json.loads(spec.json))
+            except RecursionError:
+                raise GrammarError("the JSON schema nests too deeply") from None
+            if not finite:
+                raise GrammarError("the JSON schema admits no finite JSON value")
         try:
             grammar = grammar_text(spec)
         except Exception as e:  # the library's own parse errors (a schema that is not JSON, ...)
-            raise ValueError(f"structured_outputs does not compile: {e}") from e
+            raise GrammarError(str(e)) from e
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
-            raise ValueError(f"structured_outputs does not compile: {'; '.join(messages).strip()}")
+            raise GrammarError("; ".join(messages))
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
+        if matcher.is_error() or _first_mask_fails(matcher.deep_copy(), self.vocab_size):
+            raise GrammarError("it matches no output at all")
         return matcher
+
+
+class GrammarError(ValueError):
+    """A spec that does not compile. `reason` says why in the schema's, regex's or grammar's own
+    terms: the first line of the library's message, without the grammar text it would quote
+    (for a tool call, the grammar the server wrote around the user's schema)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason.strip().splitlines()[0] if reason.strip() else "unknown error"
+        super().__init__(f"structured_outputs does not compile: {self.reason}")
+
+
+def _first_mask_fails(matcher: llguidance.LLMatcher, vocab_size: int) -> bool:
+    """Whether `matcher` (a copy: this advances its state) errs computing its first mask: an
+    empty language compiles, and shows only when no token can start it."""
+    bitmask = numpy.zeros((1, (vocab_size + 31) // 32), dtype=numpy.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+    return matcher.is_error()

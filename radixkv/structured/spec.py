@@ -12,6 +12,8 @@ from __future__ import annotations
 import json as _json
 from dataclasses import dataclass
 
+from radixkv.excerpt import excerpt
+
 MAX_SPEC_CHARS = 1 << 20  # a grammar larger than this is refused before any compilation
 
 
@@ -37,14 +39,16 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
         if not isinstance(self.json_object, bool):
             raise ValueError(
-                f"structured_outputs.json_object must be True or False, got {self.json_object!r}"
+                f"structured_outputs.json_object must be True or False, got {excerpt(self.json_object)}"
             )
         if self.choice is not None and (
             not isinstance(self.choice, tuple | list)
             or not self.choice
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError(f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
+            raise ValueError(
+                f"structured_outputs.choice must be non-empty strings, got {excerpt(self.choice)}"
+            )
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
