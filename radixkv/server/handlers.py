@@ -78,6 +78,11 @@ async def create(
         echo=echo, echo_top=body.logprobs if echo else None, prompt_top=body.prompt_logprobs,
     )
     tokens = max_tokens(body, default)
+    scoring = echo and tokens == 0  # prompt scoring: the engine makes one token, then it is dropped
+    if scoring:
+        if body.min_tokens:
+            raise APIError.bad_request("min_tokens", "min_tokens needs max_tokens of at least min_tokens")
+        tokens = 1
     try:
         if body.stream:
             if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
@@ -128,6 +133,8 @@ async def create(
     if finished is None:
         log.info("%s: the client disconnected; its requests were aborted", request_id)
         return Response(status_code=499)
+    if scoring:
+        _drop_generated(finished)
     if chat and state.replies is not None:
         for choice in finished.choices:
             state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
@@ -144,6 +151,18 @@ async def _compile(engine: Any, asked: Structured) -> None:
         await asyncio.to_thread(engine.grammars.check, asked.spec)
     except ValueError as e:
         raise APIError.bad_request(asked.field, str(e)) from e
+
+
+def _drop_generated(finished: Finished) -> None:
+    """Completions `echo` with `max_tokens: 0` (prompt scoring, as lm-eval's loglikelihood asks):
+    the engine cannot make no token, so it made one; the answer keeps the prompt only, with no
+    generated text, logprobs or usage, and finishes with "length" (the budget was 0), as the legacy
+    OpenAI API and vLLM answer."""
+    for choice in finished.choices:
+        choice.text, choice.token_ids, choice.finish_reason = "", [], "length"
+        if choice.logprobs is not None:
+            choice.logprobs = []
+    finished.usage.completion_tokens = 0
 
 
 def _take_tool_calls(choice: Choice, max_calls: int | None) -> None:
