@@ -5,7 +5,7 @@ models, build the prompt ids (chat: the template with known replies spliced in),
 engine params (a ValueError names the field: 400), admit (503 when full), run. A non-streamed
 request races its client: when the client disconnects first, the work is cancelled, which aborts
 its engine requests. A streamed request is ended the same way by Starlette, which cancels the
-stream when the client disconnects (`_EventStream` then releases it). The admission count is
+stream when the client disconnects (`EventStream` then releases it). The admission count is
 released on every path.
 """
 
@@ -16,7 +16,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +39,17 @@ log = logging.getLogger("radixkv.server")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
+class Streamed(NamedTuple):
+    """A streamed answer before it is sent: its chunks (dicts, or `DONE` last) and what must run
+    however the stream ends (`EventStream`)."""
+
+    chunks: AsyncIterator[dict[str, Any] | str]
+    end: Callable[[], Awaitable[None]]
+
+
+DONE = "[DONE]"
+
+
 async def create(
     state: ServerState,
     request: Request,
@@ -46,6 +57,20 @@ async def create(
     key: str | None = None,
 ) -> Response:
     """`key`: the API key the request came with (its cache namespace under per-key isolation)."""
+    answer = await run(state, request, body, key)
+    if isinstance(answer, Streamed):
+        return EventStream(_sse_lines(answer.chunks), answer.end)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+async def run(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    key: str | None = None,
+) -> dict[str, Any] | Streamed | Response:
+    """The answer to `body`: the whole body, a stream of chunks not yet sent, or (the client went
+    away) a bare 499. Other endpoints that translate to these two (`/v1/responses`) reshape it."""
     body.check_supported()
     state.check_model(body.model)
     chat = isinstance(body, ChatCompletionRequest)
@@ -122,7 +147,7 @@ async def create(
             state.release(count, body.session_id)
             await streams.aclose()
 
-        return _EventStream(events, end_stream)
+        return Streamed(events, end_stream)
     run = run_beam_search if body.use_beam_search else run_sampling
     work = run(engine, prompts, params, request_id, tags)
     try:
@@ -141,7 +166,7 @@ async def create(
     if tools is not None:
         for choice in finished.choices:
             _take_tool_calls(choice, None if body.parallel_tool_calls else 1)
-    return JSONResponse(fmt.response(finished.choices, finished.usage))
+    return fmt.response(finished.choices, finished.usage)
 
 
 async def _compile(engine: Any, asked: Structured) -> None:
@@ -243,9 +268,9 @@ async def _events(
     continuous: bool = False,
     tools: bool = False,
     max_calls: int | None = None,
-) -> AsyncIterator[str]:
-    """The SSE body: a chunk each time a choice's tokens come, with their text or their logprobs
-    (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
+) -> AsyncIterator[dict[str, Any] | str]:
+    """The SSE body's payloads: a chunk each time a choice's tokens come, with their text or their
+    logprobs (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
     with the usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
     `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
     engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
@@ -273,24 +298,24 @@ async def _events(
             chunk = fmt.chunk(choice, first=chat and index not in opened)
             if continuous:
                 chunk["usage"] = streams.usage.as_dict()
-            yield _sse(chunk)
+            yield chunk
             opened.add(index)
         if include_usage:
-            yield _sse(fmt.usage_chunk(streams.usage))
-        yield "data: [DONE]\n\n"
+            yield fmt.usage_chunk(streams.usage)
+        yield DONE
         if chat and state.replies is not None:
             for index, pieces in texts.items():
                 state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
         dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
-        yield _sse((_engine_dead() if dead else _step_failed(e, rid)).body())
-        yield "data: [DONE]\n\n"
+        yield (_engine_dead() if dead else _step_failed(e, rid)).body()
+        yield DONE
     except EngineDeadError:
-        yield _sse(_engine_dead().body())
-        yield "data: [DONE]\n\n"
+        yield _engine_dead().body()
+        yield DONE
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that runs `end` (release the admission, abort what still runs) however it
     ends: sent whole, failed, or cancelled when its client disconnects. The body generator's own
     `finally` is not enough: Starlette cancels a stream whose client is already gone before the
@@ -307,5 +332,12 @@ class _EventStream(StreamingResponse):
             await self._end()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+async def _sse_lines(chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {chunk}\n\n" if isinstance(chunk, str) else sse(chunk)
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One Server-Sent Event carrying `payload` as JSON, named `event` if given."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(payload, separators=(',', ':'))}\n\n"
