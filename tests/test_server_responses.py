@@ -158,3 +158,19 @@ def test_refused_fields_are_400s_naming_them(model_folders, extra, param):
         return info.value.body
 
     assert with_client(model_folders["llama"], test)["param"] == param
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_partial_call(model_folders):
+    kwargs = dict(model="tiny", input="Weather?", tools=[TOOL], temperature=0)
+    named = {"type": "function", "name": "weather"}
+
+    async def test(client, engine):
+        full = await client.responses.create(**kwargs, tool_choice=named, max_output_tokens=120)
+        cut = await client.responses.create(**kwargs, tool_choice=named, max_output_tokens=48)
+        return full, cut
+
+    full, cut = with_client(model_folders["llama"], test)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    (call,) = cut.output  # no message item: the markup is never text
+    assert call.type == "function_call" and call.name == "weather" and call.status == "incomplete"
+    assert full.output[0].arguments.startswith(call.arguments) and call.arguments != full.output[0].arguments

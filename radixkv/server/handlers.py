@@ -27,7 +27,7 @@ from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
 from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
 from radixkv.server.params import Structured, beam_params, max_tokens, renames, sampling_params, structured
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from radixkv.server.request_ids import request_id as scope_request_id
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
@@ -141,6 +141,7 @@ async def run(
             state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
             continuous=body.continuous_usage, tools=tools is not None,
             max_calls=None if tools is None or body.parallel_tool_calls else 1,
+            named=_named(body) if tools is not None else None,
         )
 
         async def end_stream() -> None:
@@ -165,7 +166,7 @@ async def run(
             state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
     if tools is not None:
         for choice in finished.choices:
-            _take_tool_calls(choice, None if body.parallel_tool_calls else 1)
+            _take_tool_calls(choice, None if body.parallel_tool_calls else 1, _named(body))
     return fmt.response(finished.choices, finished.usage)
 
 
@@ -190,11 +191,18 @@ def _drop_generated(finished: Finished) -> None:
     finished.usage.completion_tokens = 0
 
 
-def _take_tool_calls(choice: Choice, max_calls: int | None) -> None:
-    """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`); a reply
-    that made calls and was not cut short finishes with "tool_calls"."""
-    parsed = parse_tool_calls(choice.text, max_calls)
-    if parsed.calls:
+def _named(body: ChatCompletionRequest) -> str | None:
+    """The function a `tool_choice` names, if it names one."""
+    return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+
+
+def _take_tool_calls(choice: Choice, max_calls: int | None, named: str | None) -> None:
+    """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`; a reply cut
+    by `max_tokens` keeps its partial call and finishes with "length"); a reply that made calls
+    and was not cut short finishes with "tool_calls"."""
+    cut = choice.finish_reason == "length"
+    parsed = parse_tool_calls(choice.text, max_calls, cut=cut, named=named)
+    if parsed.calls or (cut and parsed.content != (choice.text.strip() or None)):  # markup dropped
         choice.text, choice.tool_calls = parsed.content, parsed.calls
         if choice.finish_reason == "stop":
             choice.finish_reason = "tool_calls"
@@ -268,6 +276,7 @@ async def _events(
     continuous: bool = False,
     tools: bool = False,
     max_calls: int | None = None,
+    named: str | None = None,
 ) -> AsyncIterator[dict[str, Any] | str]:
     """The SSE body's payloads: a chunk each time a choice's tokens come, with their text or their
     logprobs (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
@@ -289,7 +298,9 @@ async def _events(
                 parser = parsers.setdefault(index, ToolStream(max_calls))
                 piece = parser.feed(text)
                 if finish is not None:
-                    piece.content += parser.finish().content
+                    end = parser.finish(cut=finish == "length", named=named)
+                    piece.content += end.content
+                    piece.calls += end.calls
                     finish = "tool_calls" if parser.called and finish == "stop" else finish
                 text, calls = piece.content, piece.calls or None
             if not text and not calls and finish is None and logprobs is None:
