@@ -76,6 +76,46 @@ def test_echo_logprobs_equal_transformers_as_lm_eval_asks(model_folders, referen
     assert lp.token_logprobs[-1] == pytest.approx(want[-1].max().item(), abs=1e-4)  # greedy token
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_asks(model_folders, reference_models):
+    """lm-eval's loglikelihood: the prompt's logprobs and nothing generated."""
+
+    async def test(client, engine):
+        scored = await client.completions.create(
+            model="tiny", prompt=[PROMPT, "A dog"], echo=True, logprobs=1, max_tokens=0
+        )
+        errors = []
+        for extra in ({}, {"echo": True, "min_tokens": 1}):
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, extra_body=extra)
+            errors.append(info.value.body["param"])
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=0
+            )
+        errors.append(info.value.body["param"])
+        metrics = engine.metrics()
+        engine.check_invariants()
+        return scored, errors, metrics
+
+    scored, errors, metrics = with_client(model_folders["llama"], test)
+    assert errors == ["max_tokens", "min_tokens", "max_tokens"]
+    assert metrics["running"] == 0 and metrics["waiting"] == 0
+    prompt_tokens = 0
+    for choice, prompt in zip(scored.choices, [PROMPT, "A dog"], strict=True):
+        ids = list(prompt.encode())
+        prompt_tokens += len(ids)
+        want = log_softmax(reference_models["llama"], ids)
+        assert choice.text == prompt and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert lp.tokens == list(prompt) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [want[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert lp.text_offset == list(range(len(ids)))
+    usage = scored.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 0)
+    assert usage.total_tokens == prompt_tokens
+
+
 def test_vllm_prompt_logprobs_on_both_endpoints(model_folders, reference_models):
     async def test(client, engine):
         completion = await client.completions.create(

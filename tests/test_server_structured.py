@@ -143,6 +143,58 @@ def test_required_and_named_tool_calls_parse_and_validate(model_folders):
     assert named.choices[0].message.tool_calls[0].function.name == "weather"
 
 
+def test_forced_tool_call_cut_by_max_tokens_keeps_its_partial_call(model_folders):
+    """Greedy, so a cut reply is the uncut one's first tokens (the byte tokenizer: 12 tokens are
+    `<tool_call>` and its newline, about 30 more reach the arguments): finish "length", no
+    markup in the content, and the call's name with a prefix of the uncut call's arguments;
+    with a named function, the call is there however early the cut. Streamed, the same."""
+    named = {"type": "function", "function": {"name": "weather"}}
+    cuts = (6, 48)
+
+    async def test(client, engine):
+        kwargs = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], temperature=0)
+
+        async def streamed(choice):
+            stream = await client.chat.completions.create(
+                **kwargs, tool_choice=choice, max_tokens=cuts[1], stream=True
+            )
+            return [c async for c in stream]
+
+        asks = [
+            client.chat.completions.create(**kwargs, tool_choice=choice, max_tokens=k)
+            for choice in (named, "required")
+            for k in (120, *cuts)
+        ]
+        got = await asyncio.gather(*asks, streamed(named), streamed("required"))
+        engine.check_invariants()
+        return got
+
+    *whole, stream_named, stream_required = with_client(model_folders["llama"], test)
+    per_choice = {"named": whole[:3], "required": whole[3:]}
+    for kind, (full, early, late) in per_choice.items():
+        (want,) = full.choices[0].message.tool_calls
+        for got in (early, late):
+            (choice,) = got.choices
+            assert choice.finish_reason == "length" and choice.message.content is None
+        (call,) = late.choices[0].message.tool_calls
+        assert call.function.name == want.function.name and call.id.startswith("call_")
+        assert want.function.arguments.startswith(call.function.arguments)
+        assert 0 < len(call.function.arguments) < len(want.function.arguments)  # cut inside them
+        early_calls = early.choices[0].message.tool_calls
+        if kind == "named":  # cut inside `<tool_call>`: the named function, no arguments yet
+            assert [(c.function.name, c.function.arguments) for c in early_calls] == [("weather", "")]
+        else:
+            assert early_calls is None
+    for chunks, kind in ((stream_named, "named"), (stream_required, "required")):
+        late = per_choice[kind][2]
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+        assert deltas[0].function.name == late.choices[0].message.tool_calls[0].function.name
+        arguments = "".join(d.function.arguments for d in deltas)
+        assert arguments == late.choices[0].message.tool_calls[0].function.arguments
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 @pytest.mark.slow  # about 10 s here: 60 decode steps of the Triton interpreter
 def test_streamed_tool_call_assembles_to_the_whole_one(model_folders):
     """Same seed, streamed and not: the deltas (name first, then argument fragments) add up to

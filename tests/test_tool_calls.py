@@ -82,3 +82,45 @@ def test_a_streamed_block_that_breaks_after_its_name_stays_a_call(size):
 def test_a_block_that_closes_unparsed_in_one_piece_is_content():
     content, deltas, called = stream(BROKEN, len(BROKEN))
     assert content == BROKEN and deltas == [] and not called
+
+
+ONE_CALL = 'Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+
+
+def cut_stream(text: str, size: int, named: str | None = None) -> tuple[str, dict[str, str] | None]:
+    """`text` streamed in pieces of `size` and then cut: the content and the one call sent."""
+    parser = ToolStream()
+    content, deltas = "", []
+    for i in range(0, len(text), size):
+        piece = parser.feed(text[i : i + size])
+        content, deltas = content + piece.content, deltas + piece.calls
+    end = parser.finish(cut=True, named=named)
+    content, deltas = content + end.content, deltas + end.calls
+    if not deltas:
+        return content, None
+    assert {d["index"] for d in deltas} == {0}
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    return content, {"name": deltas[0]["function"]["name"], "arguments": arguments}
+
+
+@pytest.mark.parametrize("named", [None, "weather"])
+def test_a_reply_cut_anywhere_keeps_its_partial_call_and_no_markup(named):
+    """Cut after every character (as `max_tokens` cuts it): the content never holds tool markup;
+    once the block reaches its arguments the call is there, its arguments a prefix of the whole call's;
+    streamed in any split, the same call. With a named tool_choice there is always a call."""
+    (whole,) = parse(ONE_CALL).calls
+    name_end = ONE_CALL.index('"arguments":') + len('"arguments":')  # where the name is known
+    for k in range(len(ONE_CALL) + 1):
+        text = ONE_CALL[:k]
+        got = parse(text, cut=True, named=named)
+        assert got.content == ("Sure."[:k] or None)  # the text before the block, never markup
+        if k >= name_end or named is not None:
+            (call,) = got.calls
+            assert call.name == "weather" and whole.arguments.startswith(call.arguments)
+        else:
+            assert got.calls == []
+        for size in (1, 4, len(text) or 1):
+            content, call = cut_stream(text, size, named)
+            assert content.strip() == (got.content or "")
+            want = {"name": got.calls[0].name, "arguments": got.calls[0].arguments} if got.calls else None
+            assert call == want

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, authorization, error shapes and the engine's lifetime.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's
+Responses API on the chat path: `radixkv.server.responses_api`), `GET /v1/models`,
 `DELETE /v1/sessions/{session_id}` (closes a chat session: `radixkv.server.sessions`), `GET /health`,
 `GET /metrics`. With an API key, the `/v1` routes need `Authorization: Bearer <key>`; health and
 metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the request models
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import radixkv
-from radixkv.server import handlers
+from radixkv.server import handlers, responses_api
 from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from radixkv.server.chat_prompt import ReplyStore
 from radixkv.server.errors import APIError, from_validation
@@ -123,6 +124,12 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         key = state.authorize(request.headers.get("authorization"))
         return await handlers.create(state, request, await parse(request, ChatCompletionRequest), key)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        key = state.authorize(request.headers.get("authorization"))
+        body = await parse(request, responses_api.ResponsesRequest)
+        return await responses_api.create(state, request, body, key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -5,7 +5,7 @@ models, build the prompt ids (chat: the template with known replies spliced in),
 engine params (a ValueError names the field: 400), admit (503 when full), run. A non-streamed
 request races its client: when the client disconnects first, the work is cancelled, which aborts
 its engine requests. A streamed request is ended the same way by Starlette, which cancels the
-stream when the client disconnects (`_EventStream` then releases it). The admission count is
+stream when the client disconnects (`EventStream` then releases it). The admission count is
 released on every path.
 """
 
@@ -16,7 +16,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +27,7 @@ from radixkv.server.chat_prompt import chat_prompt_ids
 from radixkv.server.errors import APIError, engine_param
 from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
 from radixkv.server.params import Structured, beam_params, max_tokens, renames, sampling_params, structured
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from radixkv.server.request_ids import request_id as scope_request_id
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
@@ -40,6 +40,17 @@ log = logging.getLogger("radixkv.server")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
+class Streamed(NamedTuple):
+    """A streamed answer before it is sent: its chunks (dicts, or `DONE` last) and what must run
+    however the stream ends (`EventStream`)."""
+
+    chunks: AsyncIterator[dict[str, Any] | str]
+    end: Callable[[], Awaitable[None]]
+
+
+DONE = "[DONE]"
+
+
 async def create(
     state: ServerState,
     request: Request,
@@ -47,6 +58,20 @@ async def create(
     key: str | None = None,
 ) -> Response:
     """`key`: the API key the request came with (its cache namespace under per-key isolation)."""
+    answer = await run(state, request, body, key)
+    if isinstance(answer, Streamed):
+        return EventStream(_sse_lines(answer.chunks), answer.end)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+async def run(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    key: str | None = None,
+) -> dict[str, Any] | Streamed | Response:
+    """The answer to `body`: the whole body, a stream of chunks not yet sent, or (the client went
+    away) a bare 499. Other endpoints that translate to these two (`/v1/responses`) reshape it."""
     body.check_supported()
     state.check_model(body.model)
     chat = isinstance(body, ChatCompletionRequest)
@@ -79,6 +104,11 @@ async def create(
         echo=echo, echo_top=body.logprobs if echo else None, prompt_top=body.prompt_logprobs,
     )
     tokens = max_tokens(body, default)
+    scoring = echo and tokens == 0  # prompt scoring: the engine makes one token, then it is dropped
+    if scoring:
+        if body.min_tokens:
+            raise APIError.bad_request("min_tokens", "min_tokens needs max_tokens of at least min_tokens")
+        tokens = 1
     try:
         if body.stream:
             if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
@@ -112,13 +142,14 @@ async def create(
             state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
             continuous=body.continuous_usage, tools=tools is not None,
             max_calls=None if tools is None or body.parallel_tool_calls else 1,
+            named=_named(body) if tools is not None else None,
         )
 
         async def end_stream() -> None:
             state.release(count, body.session_id)
             await streams.aclose()
 
-        return _EventStream(events, end_stream)
+        return Streamed(events, end_stream)
     run = run_beam_search if body.use_beam_search else run_sampling
     work = run(engine, prompts, params, request_id, tags)
     try:
@@ -129,13 +160,15 @@ async def create(
     if finished is None:
         log.info("%s: the client disconnected; its requests were aborted", request_id)
         return Response(status_code=499)
+    if scoring:
+        _drop_generated(finished)
     if chat and state.replies is not None:
         for choice in finished.choices:
             state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
     if tools is not None:
         for choice in finished.choices:
-            _take_tool_calls(choice, None if body.parallel_tool_calls else 1)
-    return JSONResponse(fmt.response(finished.choices, finished.usage))
+            _take_tool_calls(choice, None if body.parallel_tool_calls else 1, _named(body))
+    return fmt.response(finished.choices, finished.usage)
 
 
 async def _compile(engine: Any, asked: Structured) -> None:
@@ -156,11 +189,30 @@ async def _compile(engine: Any, asked: Structured) -> None:
         raise APIError.bad_request(asked.field, str(e)) from e
 
 
-def _take_tool_calls(choice: Choice, max_calls: int | None) -> None:
-    """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`); a reply
-    that made calls and was not cut short finishes with "tool_calls"."""
-    parsed = parse_tool_calls(choice.text, max_calls)
-    if parsed.calls:
+def _drop_generated(finished: Finished) -> None:
+    """Completions `echo` with `max_tokens: 0` (prompt scoring, as lm-eval's loglikelihood asks):
+    the engine cannot make no token, so it made one; the answer keeps the prompt only, with no
+    generated text, logprobs or usage, and finishes with "length" (the budget was 0), as the legacy
+    OpenAI API and vLLM answer."""
+    for choice in finished.choices:
+        choice.text, choice.token_ids, choice.finish_reason = "", [], "length"
+        if choice.logprobs is not None:
+            choice.logprobs = []
+    finished.usage.completion_tokens = 0
+
+
+def _named(body: ChatCompletionRequest) -> str | None:
+    """The function a `tool_choice` names, if it names one."""
+    return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+
+
+def _take_tool_calls(choice: Choice, max_calls: int | None, named: str | None) -> None:
+    """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`; a reply cut
+    by `max_tokens` keeps its partial call and finishes with "length"); a reply that made calls
+    and was not cut short finishes with "tool_calls"."""
+    cut = choice.finish_reason == "length"
+    parsed = parse_tool_calls(choice.text, max_calls, cut=cut, named=named)
+    if parsed.calls or (cut and parsed.content != (choice.text.strip() or None)):  # markup dropped
         choice.text, choice.tool_calls = parsed.content, parsed.calls
         if choice.finish_reason == "stop":
             choice.finish_reason = "tool_calls"
@@ -234,9 +286,10 @@ async def _events(
     continuous: bool = False,
     tools: bool = False,
     max_calls: int | None = None,
-) -> AsyncIterator[str]:
-    """The SSE body: a chunk each time a choice's tokens come, with their text or their logprobs
-    (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
+    named: str | None = None,
+) -> AsyncIterator[dict[str, Any] | str]:
+    """The SSE body's payloads: a chunk each time a choice's tokens come, with their text or their
+    logprobs (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
     with the usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
     `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
     engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
@@ -255,7 +308,9 @@ async def _events(
                 parser = parsers.setdefault(index, ToolStream(max_calls))
                 piece = parser.feed(text)
                 if finish is not None:
-                    piece.content += parser.finish().content
+                    end = parser.finish(cut=finish == "length", named=named)
+                    piece.content += end.content
+                    piece.calls += end.calls
                     finish = "tool_calls" if parser.called and finish == "stop" else finish
                 text, calls = piece.content, piece.calls or None
             if not text and not calls and finish is None and logprobs is None:
@@ -264,24 +319,24 @@ async def _events(
             chunk = fmt.chunk(choice, first=chat and index not in opened)
             if continuous:
                 chunk["usage"] = streams.usage.as_dict()
-            yield _sse(chunk)
+            yield chunk
             opened.add(index)
         if include_usage:
-            yield _sse(fmt.usage_chunk(streams.usage))
-        yield "data: [DONE]\n\n"
+            yield fmt.usage_chunk(streams.usage)
+        yield DONE
         if chat and state.replies is not None:
             for index, pieces in texts.items():
                 state.replies.add("".join(pieces), ids[index], tags.cache_salt)
     except RequestError as e:
         dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
-        yield _sse((_engine_dead() if dead else _step_failed(e, rid)).body())
-        yield "data: [DONE]\n\n"
+        yield (_engine_dead() if dead else _step_failed(e, rid)).body()
+        yield DONE
     except EngineDeadError:
-        yield _sse(_engine_dead().body())
-        yield "data: [DONE]\n\n"
+        yield _engine_dead().body()
+        yield DONE
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that runs `end` (release the admission, abort what still runs) however it
     ends: sent whole, failed, or cancelled when its client disconnects. The body generator's own
     `finally` is not enough: Starlette cancels a stream whose client is already gone before the
@@ -298,5 +353,12 @@ class _EventStream(StreamingResponse):
             await self._end()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+async def _sse_lines(chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {chunk}\n\n" if isinstance(chunk, str) else sse(chunk)
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One Server-Sent Event carrying `payload` as JSON, named `event` if given."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(payload, separators=(',', ':'))}\n\n"

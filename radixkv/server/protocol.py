@@ -153,7 +153,9 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """`POST /v1/completions`. `prompt` is text, token ids, or a list of either (a batch: one
     choice list per prompt, choice `index` running over prompts then samples, as OpenAI does).
-    `logprobs` k returns each token's logprob and its k most likely alternatives."""
+    `logprobs` k returns each token's logprob and its k most likely alternatives. `echo` with
+    `max_tokens: 0` scores the prompt: its text and logprobs, nothing generated (elsewhere
+    `max_tokens` is at least 1)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Int64 | None = None

@@ -16,6 +16,10 @@ and name and then its argument text in fragments, as OpenAI streams them. (A str
 it sent: a block that breaks after its name went out stays a call, with the argument text sent
 so far, where the whole reply would keep the block as content. With `required` or a named
 function the grammar rules that out.)
+
+A reply cut by `max_tokens` inside a block is answered as vLLM answers it: finish "length" with
+the partial call (its name and the argument text so far) in `tool_calls`, whole or streamed, and
+never the block's markup in the content.
 """
 
 from __future__ import annotations
@@ -68,10 +72,34 @@ def parse_block(body: str) -> ToolCall | None:
     return ToolCall(name, body[head.end() : end])
 
 
-def parse(text: str, max_calls: int | None = None) -> ParsedReply:
+def partial_call(body: str) -> ToolCall | None:
+    """The call an unclosed block's text begins: its name once the block reaches `"arguments":`
+    (else None), and the argument text written so far (just the arguments, once their object has closed)."""
+    head = _NAME.match(body)
+    if head is None:
+        return None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except ValueError:
+        return None
+    args = body[head.end() :]
+    try:
+        _, end = _DECODER.raw_decode(args)
+        args = args[:end]
+    except ValueError:
+        pass  # still open: every character so far is the arguments'
+    return ToolCall(name, args)
+
+
+def parse(
+    text: str, max_calls: int | None = None, cut: bool = False, named: str | None = None
+) -> ParsedReply:
     """The reply's content and calls (see the module docstring). With `max_calls` (the request's
     `parallel_tool_calls: false` makes it 1), what the model wrote after that many calls is
-    dropped."""
+    dropped. A reply `cut` by `max_tokens` inside a block (or its opening tag) ends with the
+    partial call, as vLLM answers (`partial_call`), never with the markup in the content; with
+    a `named` tool_choice, a reply cut before any call is that function's call with no
+    arguments yet."""
     content, calls, rest = [], [], text
     while (start := rest.find(OPEN)) >= 0 and (end := rest.find(CLOSE, start)) >= 0:
         if max_calls is not None and len(calls) >= max_calls:
@@ -83,6 +111,17 @@ def parse(text: str, max_calls: int | None = None) -> ParsedReply:
         if call is not None:
             calls.append(call)
         rest = rest[end + len(CLOSE) :]
+    if cut:
+        rest = rest[: len(rest) - _held(rest, 0, OPEN)]  # a cut opening tag
+        start = rest.find(OPEN)
+        if start >= 0:
+            body = rest[start + len(OPEN) :]
+            call = partial_call(body[: len(body) - _held(body, 0, CLOSE)])
+            if call is not None and (max_calls is None or len(calls) < max_calls):
+                calls.append(call)
+            rest = rest[:start]
+        if named is not None and not calls:
+            calls.append(ToolCall(named, ""))
     text = ("".join(content) + rest).strip()
     return ParsedReply(text or None, calls)
 
@@ -205,13 +244,17 @@ class ToolStream:
             self._sent = end + len(CLOSE)
             self._block, self._call, self._args_sent = None, None, 0
 
-    def finish(self) -> StreamPiece:
+    def finish(self, cut: bool = False, named: str | None = None) -> StreamPiece:
         """The rest: held-back text, or an unclosed block's text as content when no call of it
-        was sent."""
+        was sent. A reply `cut` by `max_tokens` keeps no markup: what was held back (an opening
+        tag's start, a block whose name was not complete) is dropped, and with a `named`
+        tool_choice a reply that sent no call yet sends that function's call, as `parse` does."""
         start = self._sent if self._block is None else self._block - len(OPEN)
-        rest = self._text[start:] if self._call is None else ""
+        out = StreamPiece(self._text[start:] if self._call is None and not cut else "", [])
         self._sent = len(self._text)
-        return StreamPiece(rest, [])
+        if cut and named is not None and not self.called:
+            self._open(named, out)
+        return out
 
     def _stream_call(self, body: str, closed: bool, out: StreamPiece) -> None:
         if closed:
@@ -222,22 +265,12 @@ class ToolStream:
                 self._open(whole.name, out)
             out.calls += self._fragment(whole.arguments)
             return
-        head = _NAME.match(body)
-        if head is None:
+        call = partial_call(body)
+        if call is None:
             return
         if self._call is None:
-            try:
-                name = json.loads(f'"{head.group(1)}"')
-            except ValueError:
-                return
-            self._open(name, out)
-        args = body[head.end() :]
-        try:
-            _, end = _DECODER.raw_decode(args)
-            args = args[:end]
-        except ValueError:
-            pass  # still open: every character so far is the arguments'
-        out.calls += self._fragment(args)
+            self._open(call.name, out)
+        out.calls += self._fragment(call.arguments)
 
     def _open(self, name: str, out: StreamPiece) -> None:
         self._call = ToolCall(name, "")
