@@ -228,10 +228,6 @@ def run(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ValueError(f"--speed must be > 0, got {args.speed}")
     workload = read_workload(args.workload)
-    if args.restart_after_turn is not None:
-        from radixkv.tools import replay_restart
-
-        return replay_restart.run(args, workload)
     if args.url is not None:
         return _run_remote(args, workload)
     config = engine_config(args)
