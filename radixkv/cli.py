@@ -28,6 +28,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.restart_after_turn is not None:
+        from radixkv.tools import replay_restart
+        from radixkv.workloads.format import read_workload
+
+        return replay_restart.run(args, read_workload(args.workload))
     from radixkv.tools import replay
 
     return replay.run(args)

@@ -61,8 +61,34 @@ class Conversation:
                 {"role": "user", "content": self._pending},
                 {"role": "assistant", "content": text},
             ]
-            self._replies.append(list(token_ids))
+        self._replies.append(list(token_ids))
         self._pending = None
+
+    @property
+    def replies(self) -> list[list[int]]:
+        """Each committed reply's ids, oldest first: with the users' messages, all that
+        `resumed` needs to take the conversation up again elsewhere."""
+        return [list(reply) for reply in self._replies]
+
+    @classmethod
+    def resumed(
+        cls,
+        tokenizer: Any | None,
+        system: str | list[int] | None,
+        users: list[str | list[int]],
+        replies: list[list[int]],
+    ) -> Conversation:
+        """The conversation in which each of `users` was answered by the reply at its index, as
+        another process held it (a restarted replay's second part): its next prompt is the one
+        that process would have sent. A text conversation's `messages` hold empty replies there,
+        since prompts use the reply ids and never their text."""
+        if len(users) != len(replies):
+            raise ValueError(f"resumed needs one reply per user message, got {len(users)} and {len(replies)}")
+        conv = cls(tokenizer, system)
+        for user, reply in zip(users, replies, strict=True):
+            conv.prompt(user)
+            conv.add_reply(reply)
+        return conv
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]

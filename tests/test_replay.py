@@ -184,7 +184,7 @@ def test_a_replay_whose_request_fails_reports_it_and_finishes(model_folders):
     """A step that fails one session's turn ends that session there; the replay goes on with the
     others and counts the failure, instead of waiting for the failed request for ever."""
     from radixkv import Engine, EngineConfig
-    from radixkv.tools.replay import _replay, summarize
+    from radixkv.tools.replay import replay_engine, summarize
     from radixkv.workloads.format import Workload
 
     poison = 255
@@ -201,7 +201,7 @@ def test_a_replay_whose_request_fails_reports_it_and_finishes(model_folders):
         return forward(chunks)
 
     engine.runner.forward = faulty
-    result = _replay(engine, Workload(sessions, {}), speed=100.0, progress=False)
+    result = replay_engine(engine, Workload(sessions, {}), speed=100.0, progress=False)
     run = summarize(result)
     assert run["failed_requests"] == 1 and result.failed[0].startswith("bad turn 0")
     turns = sorted((r.session, r.turn) for r in result.records)

@@ -19,6 +19,7 @@ import heapq
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,13 +45,20 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
     from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
 
     with Engine(config) as engine:
-        return _replay(engine, workload, speed, progress)
+        return replay_engine(engine, workload, speed, progress)
 
 
-def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> RunResult:
+def replay_engine(
+    engine: Any, workload: Workload, speed: float, progress: bool, convs: list[Conversation] | None = None
+) -> RunResult:
+    """Replays `workload` on an open engine. `convs`, one per session, are the conversations its
+    turns continue (a restarted replay's second part: `radixkv.tools.replay_restart`); they are
+    grown in place, so the caller reads the replies from them. By default each session starts
+    a new one."""
     usage = _UsageMeter()
     sessions = workload.sessions
-    convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
+    if convs is None:
+        convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
     due = [(s.arrival / speed + s.turns[0].think / speed, i, 0) for i, s in enumerate(sessions)]
     heapq.heapify(due)
     in_flight: dict[str, tuple[int, int, float]] = {}
@@ -190,6 +198,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay again without the host tier (needs --host-kv-cache-memory)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument(
+        "--restart-after-turn",
+        type=int,
+        default=None,
+        metavar="K",
+        help="restart the engine, in a new process, after turn K of every session and report the "
+        "later turns (with --compare: over the store, cold, and unrestarted); see docs/restart.md",
+    )
     remote = parser.add_argument_group("against a server (instead of in process)")
     remote.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     remote.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
@@ -246,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
         "runs": {name: summarize(result) for name, result in runs.items()},
     }
-    _emit(args, report, runs)
+    emit(args, report, runs)
     return 0
 
 
@@ -267,12 +283,18 @@ def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
         "runs": {name: summarize(result) for name, result in runs.items()},
     }
-    _emit(args, report, runs)
+    emit(args, report, runs)
     return 0
 
 
-def _emit(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, RunResult]) -> None:
-    """Writes the report and plot where asked, and prints the report."""
+def emit(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    runs: dict[str, RunResult],
+    text: Callable[[dict[str, Any]], str] | None = None,
+) -> None:
+    """Writes the report and plot (of `runs`) where asked, and prints the report: as JSON with
+    `--json`, else through `text` (default `format_report`)."""
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -282,7 +304,7 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, RunR
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_report(report))
+        print((text or format_report)(report))
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -1,0 +1,84 @@
+"""`radixkv replay --restart-after-turn`: the report's shape and sense on a tiny workload whose
+sessions share nothing, so whatever a restarted engine finds it found in the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from radixkv.cli import main
+from radixkv.config import EngineConfig
+from radixkv.tools.replay_restart import replay_restart, restart_section
+from radixkv.workloads.format import Session, Turn, read_workload, write_workload
+
+ARM_FIELDS = {"turns", "ttft_p50_s", "ttft_p90_s", "hit_rate"}
+
+
+@pytest.fixture
+def workload(tmp_path):
+    """Three sessions of three turns, each with a system prompt of its own (40 ids: ten blocks)."""
+    rng = random.Random(1)
+    sessions = [
+        Session(
+            f"s{i}",
+            [Turn([rng.randrange(256) for _ in range(6)], 4, think=0.01) for _ in range(3)],
+            arrival=0.01 * i,
+            system=[rng.randrange(256) for _ in range(40)],
+        )
+        for i in range(3)
+    ]
+    path = tmp_path / "own_histories.jsonl"
+    write_workload(path, sessions, {"generator": "test"})
+    return path
+
+
+def test_a_restart_over_the_store_keeps_what_a_cold_restart_loses(model_folders, workload, tmp_path):
+    report_path = tmp_path / "report.json"
+    args = [
+        "replay", str(workload), "--model", str(model_folders["llama"]), "--block-size", "4",
+        "--kv-cache-memory", "4MiB", "--speed", "4", "--restart-after-turn", "2", "--compare",
+        "--report", str(report_path),
+    ]
+    assert main(args) == 0
+    section = json.loads(report_path.read_text())["restart"]
+    assert section["after_turn"] == 2
+    store, cold, none = section["store"], section["cold"], section["none"]
+    for arm in (store, cold, none):
+        assert arm.keys() >= ARM_FIELDS
+        assert arm["turns"] == 3  # the third turn of each session
+        assert 0 < arm["ttft_p50_s"] <= arm["ttft_p90_s"]
+    # Turn 3's prompt is 66 ids; turn 2 left 59 of them computed (its last reply token's KV is
+    # not), the device cache keeps all 59, the store only its 14 full blocks: 56.
+    assert none["hit_rate"] == pytest.approx(59 / 66)
+    assert store["hit_rate"] == store["store_hit_rate"] == pytest.approx(56 / 66)
+    assert cold["hit_rate"] == 0  # a new process: nothing of the first engine, and no sharing
+    assert store["same_tokens"] and cold["same_tokens"]
+
+
+def test_the_second_part_runs_in_a_new_process_without_the_first_ones_memory(model_folders, workload):
+    config = EngineConfig(model=str(model_folders["llama"]), block_size=4, kv_cache_memory="4MiB")
+    run = replay_restart(read_workload(workload), config, 2, arms=("cold",), speed=4.0)
+    second = run.parts["cold"]
+    assert run.first_pids["cold"] == os.getpid() != second.pid
+    # Its first turn found nothing: the blocks part one left behind died with its engine.
+    assert second.result.metrics["prefix_cache_hits"] == 0
+    assert restart_section(run)["store"] is None and restart_section(run)["none"] is None
+
+
+def test_a_cut_after_every_session_ends_is_a_clear_error(model_folders, workload):
+    config = EngineConfig(model=str(model_folders["llama"]), block_size=4, kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="no session has more than 3 turns"):
+        replay_restart(read_workload(workload), config, 3)
+
+
+def test_a_resumed_conversation_sends_the_prompt_the_original_would():
+    from radixkv.conversation import Conversation
+
+    original = Conversation(None, [1, 2])
+    original.prompt([3])
+    original.add_reply([4, 5])
+    resumed = Conversation.resumed(None, [1, 2], [[3]], original.replies)
+    assert resumed.prompt([6]) == original.prompt([6]) == [1, 2, 3, 4, 5, 6]
