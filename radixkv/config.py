@@ -10,6 +10,7 @@ from radixkv.cache.kv_cache_manager import PREEMPTION_MODES
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
 STORE_SCHEMES = ("file://", "redis://", "rediss://", "valkey://")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass(slots=True)
@@ -30,6 +31,14 @@ class EngineConfig:
     `tensor_parallel_size` N > 1 splits the model over N ranks, one process and device each
     (`radixkv.model.parallel_runner`); `kv_cache_memory` and `host_kv_cache_memory` are then per
     rank.
+
+    `kv_cache_dtype` is how the KV cache stores K and V: `auto` (the default) in the model's
+    dtype; `int8` in one byte each, with a float16 scale per token and KV head computed as the
+    token is stored (no calibration; about half the bytes of bfloat16, a quarter of float32, so
+    about twice or four times the blocks in `kv_cache_memory`); `fp8_e4m3` likewise as float8 (CUDA
+    of compute capability 8.9 or later only). Cached and freshly computed tokens read the same
+    stored values, so caching never changes what a prompt gives at one `kv_cache_dtype`
+    (`radixkv.model.kv_layout`). Single-rank only.
 
     `host_kv_cache_memory` (bytes or a size; 0, the default, is off) puts a host tier behind the
     device cache: evicted blocks are written there (pinned memory on CUDA) and loaded back on a
@@ -52,6 +61,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -116,5 +126,14 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.overlap and self.tensor_parallel_size > 1:
             raise ValueError("overlap takes tensor_parallel_size 1 (the ranks step in lockstep)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            options = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {options}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError("kv_cache_dtype int8 / fp8_e4m3 takes tensor_parallel_size 1 for now")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            from radixkv.model.kv_layout import check_fp8_device
+
+            check_fp8_device(self.device)
         if self.overlap is None:
             self.overlap = self.device.startswith("cuda") and self.tensor_parallel_size == 1

@@ -102,7 +102,9 @@ class EngineCore:
         self.groups = kv_groups(m.layer_windows, split)
         grouped = self.groups if self.groups.num_groups > 1 else None
         layers = self.groups.layers_per_group
-        per_block = kv_block_bytes(layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype)
+        per_block = kv_block_bytes(
+            layers, config.block_size, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype
+        )
         profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
         budget = config.kv_cache_memory or profile(
             m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -130,7 +132,7 @@ class EngineCore:
             graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
             self.runner = ModelRunner(
                 m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs,
-                groups=self.groups,
+                groups=self.groups, kv_cache_dtype=config.kv_cache_dtype,
             )
             self.runner.store = self.store
         self.inputs = InputProcessor(
@@ -163,10 +165,13 @@ class EngineCore:
         self._overlap = OverlapStepper(self) if config.overlap else None
 
     def _open_store(self, config: EngineConfig, block_bytes: int) -> KVStore | None:
-        """The KV store of `config.kv_store`, keyed for this model, dtype and block size."""
+        """The KV store of `config.kv_store`, keyed for this model, dtype, KV cache dtype and block
+        size (an int8 block's bytes are not a float one's)."""
         if config.kv_store is None:
             return None
         dtype = str(self.model.dtype).removeprefix("torch.")
+        if config.kv_cache_dtype != "auto":
+            dtype = f"{dtype}/kv-{config.kv_cache_dtype}"
         keys = KeySpace(model_fingerprint(self.model, config.seed), dtype, config.block_size)
         # A write queue of at most STORE_QUEUE_BYTES of host memory (and at least 16 blocks).
         pending = max(16, STORE_QUEUE_BYTES // block_bytes)

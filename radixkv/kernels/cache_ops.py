@@ -2,6 +2,8 @@
 
 Both move rows of elements: a token's Hkv * D values for store_kv, a block's block_size * Hkv * D
 values for copy_blocks. A program moves a [rows, cols] tile of them, sized by launch_plan.plan_copy.
+Into a quantized cache (int8 or float8_e4m3fn) store_kv quantizes as it writes, one program per
+tile of tokens and KV head, since each token's head takes the scale of its own largest value.
 """
 
 from collections.abc import Sequence
@@ -10,9 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
+from radixkv.kernels.checks import (
+    QUANTIZED_DTYPES,
+    check_cache,
+    check_index,
+    check_kernel_device,
+    check_same_device,
+)
 from radixkv.kernels.dispatch import dual_jit, interpreted, launch_guard
-from radixkv.kernels.launch_plan import plan_copy
+from radixkv.kernels.launch_plan import padded_head_dim, plan_copy
 
 
 @dual_jit(do_not_specialize=("num_tokens",))
@@ -51,6 +59,37 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + v_src, mask=mask), mask=mask)
 
 
+@dual_jit(do_not_specialize=("num_tokens",))
+def _store_quantized_kernel(
+    x_ptr, cache_ptr, scale_ptr, slot_mapping_ptr, num_tokens,
+    stride_xt, stride_xh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+    LIMIT: tl.constexpr, ROUND: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
+):
+    # One tensor (K or V) a launch; program (token tile, KV head). Same arithmetic as quantize_ref:
+    # scale = max|x| / LIMIT rounded to the scale dtype, x / scale clamped, rounded half up (int8).
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    head = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_P)
+    slot = tl.load(slot_mapping_ptr + token, mask=token < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0
+    mask = live[:, None]
+    if HEAD_DIM != HEAD_DIM_P:
+        mask = mask & (d < HEAD_DIM)[None, :]
+    x = tl.load(x_ptr + (token * stride_xt + head * stride_xh)[:, None] + d[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = (tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max) / LIMIT).to(scale_ptr.dtype.element_ty)
+    divisor = scale.to(tl.float32)
+    divisor = tl.where(divisor > 0, divisor, 1.0)
+    y = tl.minimum(tl.maximum(x / divisor[:, None], -LIMIT), LIMIT)
+    if ROUND:
+        y = tl.floor(y + 0.5)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = (block * stride_cb + offset * stride_cs + head * stride_ch)[:, None] + d[None, :]
+    tl.store(cache_ptr + dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + block * stride_sb + offset * stride_ss + head * stride_sh, scale, mask=live)
+
+
 @dual_jit(do_not_specialize=("num_pairs",))
 def _copy_blocks_kernel(
     k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, num_pairs, stride_cb, stride_cs, stride_ch,
@@ -71,25 +110,45 @@ def _copy_blocks_kernel(
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write token t's K/V ([T, Hkv, D] each) into slot slot_mapping[t] = block * block_size + offset of
-    k_cache/v_cache ([num_blocks, block_size, Hkv, D]); a slot of -1 skips the token."""
-    check_cache(k_cache, v_cache)
+    k_cache/v_cache ([num_blocks, block_size, Hkv, D]); a slot of -1 skips the token.
+
+    With `k_scale` and `v_scale` ([num_blocks, block_size, Hkv]) the caches are int8 or
+    float8_e4m3fn and each token's head is quantized as it is written, its scale stored at the same
+    slot (`radixkv.kernels.reference.quantize_ref` is the arithmetic); k and v are then in any float
+    dtype. Otherwise k and v have the cache's dtype and are copied as they are.
+    """
+    check_cache(k_cache, v_cache, k_scale, v_scale)
     check_kernel_device("k_cache", k_cache)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    quantized = k_scale is not None
     for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3 or t.shape[1:] != k_cache.shape[2:] or t.dtype != k_cache.dtype or t.stride(2) != 1:
+        dtype_ok = t.is_floating_point() if quantized else t.dtype == k_cache.dtype
+        if t.dim() != 3 or t.shape[1:] != k_cache.shape[2:] or not dtype_ok or t.stride(2) != 1:
+            want = "a float dtype" if quantized else f"k_cache's dtype {k_cache.dtype}"
             raise ValueError(
-                f"{name} must be [T, Hkv, D] = [*, {num_kv_heads}, {head_dim}] with k_cache's dtype "
-                f"{k_cache.dtype} and a contiguous last dimension, got {tuple(t.shape)}, {t.dtype}"
+                f"{name} must be [T, Hkv, D] = [*, {num_kv_heads}, {head_dim}] with {want} "
+                f"and a contiguous last dimension, got {tuple(t.shape)}, {t.dtype}"
             )
         check_same_device(name, t, k_cache.device)
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(
+            f"v must have k's shape {tuple(k.shape)} and dtype {k.dtype}, got {tuple(v.shape)}, {v.dtype}"
+        )
     num_tokens = k.shape[0]
     check_index("slot_mapping", slot_mapping, (num_tokens,), k_cache.device)
     if num_tokens == 0:
+        return
+    if quantized:
+        _store_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
         return
     row_len = num_kv_heads * head_dim
     device = k_cache.device
@@ -106,20 +165,54 @@ def store_kv(
         )
 
 
+def _store_quantized(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens = k.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    head_dim_p = padded_head_dim(head_dim)
+    device = k_cache.device
+    rows = plan_copy(num_tokens, head_dim_p, interpreted(device)).rows
+    grid = (triton.cdiv(num_tokens, rows), num_kv_heads)
+    with launch_guard():
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            _store_quantized_kernel.on(device)[grid](
+                x, cache, scale, slot_mapping, num_tokens, x.stride(0), x.stride(1),
+                cache.stride(0), cache.stride(1), cache.stride(2), scale.stride(0), scale.stride(1),
+                scale.stride(2), LIMIT=QUANTIZED_DTYPES[cache.dtype], ROUND=cache.dtype == torch.int8,
+                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, ROWS=rows,
+            )
+
+
 def copy_blocks(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     src: Sequence[int] | torch.Tensor,
     dst: Sequence[int] | torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Copy whole blocks src[i] -> dst[i] in both caches (copy-on-write of a shared block).
+    """Copy whole blocks src[i] -> dst[i] in both caches (copy-on-write of a shared block), and in
+    `k_scale`, `v_scale` when given (a quantized cache's, as store_kv takes them).
 
+    The caches' elements are moved, not read as numbers: any dtype of 1, 2 or 4 bytes.
     Pairs run in parallel, so no dst block may be a src block of the same call, nor repeat.
     """
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, any_dtype=True)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("copy_blocks takes both k_scale and v_scale or neither")
     check_kernel_device("k_cache", k_cache)
     src = _block_ids("src", src, -1, k_cache.device)
     dst = _block_ids("dst", dst, src.shape[0], k_cache.device)
+    if k_scale is not None:
+        check_cache(k_cache, v_cache, k_scale, v_scale)
+        copy_blocks(k_scale[..., None], v_scale[..., None], src, dst)
     num_pairs = src.shape[0]
     if num_pairs == 0:
         return

@@ -6,6 +6,10 @@ that would cost a device sync on a GPU.
 import torch
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANTIZED_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+"""Caches stored in 8 bits, each with the largest magnitude it stores: a token's head is stored as
+round(x / scale), scale = max|x| / that magnitude, its own scale kept beside it (no calibration)."""
+SCALE_DTYPES = (torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -20,15 +24,34 @@ def check_same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on {device} like the KV cache, got {t.device}")
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    any_dtype: bool = False,
+) -> None:
     """k_cache and v_cache: [num_blocks, block_size, Hkv, D], one dtype, one layout, D contiguous.
 
-    The kernels compute one set of row offsets for both caches, hence the same strides.
+    The kernels compute one set of row offsets for both caches, hence the same strides. A cache in
+    float32, float16 or bfloat16 takes no scales; an int8 or float8_e4m3fn cache takes both,
+    [num_blocks, block_size, Hkv] in float16 or float32, one layout for the two. `any_dtype`: a
+    cache only moved, never read as numbers (copy_blocks), may hold any dtype of 1 to 4 bytes.
     """
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
-    if k_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"k_cache dtype must be float32, float16 or bfloat16, got {k_cache.dtype}")
+    if any_dtype:
+        if k_cache.element_size() not in (1, 2, 4):
+            raise ValueError(f"k_cache elements must be 1, 2 or 4 bytes, got {k_cache.dtype}")
+    elif k_scale is None and v_scale is None:
+        if k_cache.dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"k_cache dtype must be float32, float16 or bfloat16 (int8 or float8_e4m3fn with "
+                f"k_scale and v_scale), got {k_cache.dtype}"
+            )
+    else:
+        _check_scales(k_cache, k_scale, v_scale)
     if k_cache.stride(3) != 1:
         raise ValueError("k_cache must be contiguous in its last (head size) dimension")
     if (v_cache.shape, v_cache.stride(), v_cache.dtype) != (k_cache.shape, k_cache.stride(), k_cache.dtype):
@@ -50,3 +73,24 @@ def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torc
     if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     check_same_device(name, t, device)
+
+
+def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if k_cache.dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"k_scale and v_scale go with an int8 or float8_e4m3fn k_cache, got {k_cache.dtype}")
+    if k_scale is None or v_scale is None:
+        raise ValueError("a quantized k_cache needs both k_scale and v_scale")
+    want = tuple(k_cache.shape[:3])
+    if k_scale.shape != want or k_scale.dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"k_scale must be [num_blocks, block_size, Hkv] = {list(want)} in float16 or float32, "
+            f"got {tuple(k_scale.shape)}, {k_scale.dtype}"
+        )
+    if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (k_scale.shape, k_scale.stride(), k_scale.dtype):
+        raise ValueError(
+            f"v_scale must have k_scale's shape, strides and dtype {tuple(k_scale.shape)}, "
+            f"{k_scale.stride()}, {k_scale.dtype}; got {tuple(v_scale.shape)}, {v_scale.stride()}, "
+            f"{v_scale.dtype}"
+        )
+    check_same_device("k_scale", k_scale, k_cache.device)
+    check_same_device("v_scale", v_scale, k_cache.device)

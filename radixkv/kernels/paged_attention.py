@@ -14,6 +14,11 @@ layer) starts the walk at the lowest key any item's window reaches and masks key
 row's window; a logit cap is applied to the scores before the mask. With split-KV each program covers one
 range of keys and a second kernel merges the ranges by their log-sum-exp.
 
+A quantized cache (int8 or float8_e4m3fn, one scale per token and KV head) is read as stored, in 8
+bits, and its scales are folded into the arithmetic: each score is q . k_stored times its key's K
+scale, and each probability is multiplied by its key's V scale before the product with the stored
+V. No dequantized copy of a block exists anywhere.
+
 Reductions call tl.reduce with triton.language.standard's own combine functions rather than tl.max
 and tl.sum (which do just that): those two are jit functions, built compiled-only because radixkv
 never sets TRITON_INTERPRET (it interprets per launch, radixkv.kernels.dispatch), which an
@@ -45,16 +50,16 @@ LOG2E = 1.4426950408889634
 
 @dual_jit(do_not_specialize=("num_items", "kv_per_split", "stride_bt", "window"))
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_start_ptr,
     qk_scale, cap_in, cap_out, window, num_items, kv_per_split,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ITEMS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     FLAT_LOADS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, OUT_LIKE_Q: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, OUT_LIKE_Q: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_P
     # int64 indices throughout: the interpreter checks every int32 add and mul for overflow (7 extra
@@ -135,6 +140,11 @@ def _paged_attention_kernel(
         k = tl.reshape(tl.load(k_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
         v = tl.reshape(tl.load(v_ptrs), [ITEMS, BLOCK_N, HEAD_DIM_P]).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION)
+        if QUANTIZED:  # a key's scales, [ITEMS, BLOCK_N]: K's scales each score, V's its probability
+            scale_rows = block.to(tl.int64) * stride_sb + (key % BLOCK_SIZE) * stride_ss
+            scale_rows += (kv_head * stride_sh)[:, None]
+            s = s * tl.load(k_scale_ptr + scale_rows).to(tl.float32)[:, None, :]
+            v_scale = tl.load(v_scale_ptr + scale_rows).to(tl.float32)[:, None, :]
         if SOFTCAP:
             # q carries the plain scale here: s is the logit, capped as cap * tanh(s / cap) with
             # tanh(x) = 1 - 2 / (exp(2x) + 1) (exact at both ends) and taken to base 2: cap_in is
@@ -149,6 +159,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, :, None])
         l_i = l_i * alpha + tl.reduce(p, 2, tl.standard._sum_combine)
+        if QUANTIZED:
+            p = p * v_scale
         acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, :, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -261,6 +273,8 @@ def paged_attention(
     launches: AttentionLaunches | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged KV; returns [T, Hq, D] in q's dtype.
 
@@ -275,11 +289,13 @@ def paged_attention(
     at positions > p - window, `window` keys with its own; blocks wholly before every new token's
     window are never read, so their table entries need not be valid. `softcap` caps each logit
     (after the scale) as `softcap * tanh(logit / softcap)` before the softmax (Gemma 2). None: no
-    window, no cap.
+    window, no cap. `k_scale`, `v_scale` ([num_blocks, block_size, Hkv], as `store_kv` writes
+    them): the caches are int8 or float8_e4m3fn, key j standing for k_cache[j] * k_scale[j]; q is
+    then in any float dtype, and so is the result.
 
     Thread-safe. Compiled on CUDA tensors, interpreted on CPU tensors (radixkv.kernels.dispatch).
     """
-    _check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
+    _check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, k_scale, v_scale)
     if window is not None and window < 1:
         raise ValueError(f"window must be None (no window) or >= 1, got {window}")
     if softcap is not None and not softcap > 0:
@@ -304,7 +320,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
     for plan, tile_seq, tile_start in launches.launches:
-        _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap)
+        _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap, k_scale, v_scale)
     return out
 
 
@@ -322,6 +338,8 @@ def launch_attention(
     out: torch.Tensor,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch with an explicit plan over the tiles of the sequences in the bool mask `seqs` (all
     when None), then the merge of the KV splits; `num_tiles` as in _tile_map. Arguments are not
@@ -329,7 +347,7 @@ def launch_attention(
     included, through the interpreter."""
     tile_seq, tile_start = _tile_map(query_start_loc, seq_lens, seqs, plan.block_q, num_tiles)
     batch = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc)
-    _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap)
+    _launch(plan, tile_seq, tile_start, *batch, scale, out, window, softcap, k_scale, v_scale)
 
 
 def _launch(
@@ -346,6 +364,8 @@ def _launch(
     out: torch.Tensor,
     window: int | None,
     softcap: float | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -362,17 +382,20 @@ def _launch(
         split_strides = (target.stride(0), lse.stride(0), lse.stride(1))
     else:
         target, lse, split_strides = out, out, (0, 0, 0)
+    quantized = k_scale is not None
+    # Without scales the scale pointers and strides are never read: the cache stands in for them.
+    scales = (k_scale, v_scale, *k_scale.stride()) if quantized else (k_cache, v_cache, 0, 0, 0)
     device = q.device
     interp = interpreted(device)
     # The interpreter multiplies in numpy, which has no bfloat16; float32 dots on a GPU stay IEEE.
     dot_dtype = tl.float32 if interp else _TL_DTYPES[q.dtype]
     with launch_guard():
         _paged_attention_kernel.on(device)[(triton.cdiv(num_items, plan.items), plan.num_splits)](
-            q, k_cache, v_cache, target, lse,
+            q, k_cache, v_cache, *scales[:2], target, lse,
             block_table, seq_lens, query_start_loc, tile_seq, tile_start,
             scale if softcap else scale * LOG2E, 2 * LOG2E / softcap if softcap else 0.0,
             softcap * LOG2E if softcap else 0.0, window or 0, num_items, kv_per_split,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scales[2:],
             split_strides[0], target.stride(-3), target.stride(-2), split_strides[1], split_strides[2],
             block_table.stride(0),
             NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=padded_group(group),
@@ -381,7 +404,7 @@ def _launch(
             FLAT_LOADS=plan.flat_loads, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             WINDOW=window is not None, SOFTCAP=softcap is not None,
-            OUT_LIKE_Q=target.stride()[-3:-1] == q.stride()[:2],
+            OUT_LIKE_Q=target.stride()[-3:-1] == q.stride()[:2], QUANTIZED=quantized,
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
         if split:
@@ -475,8 +498,10 @@ def _check_attention_args(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, k_scale, v_scale)
     check_kernel_device("k_cache", k_cache)
     device = k_cache.device
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.stride(2) != 1:
@@ -484,7 +509,9 @@ def _check_attention_args(
             f"q must be [T, Hq, D] with k_cache's D = {k_cache.shape[3]} and a contiguous last "
             f"dimension, got shape {tuple(q.shape)}"
         )
-    if q.dtype != k_cache.dtype:
+    if k_scale is not None and q.dtype not in _TL_DTYPES:
+        raise ValueError(f"q dtype must be float32, float16 or bfloat16, got {q.dtype}")
+    if k_scale is None and q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype must match k_cache's ({k_cache.dtype}), got {q.dtype}")
     check_same_device("q", q, device)
     if q.shape[1] % k_cache.shape[2] != 0:

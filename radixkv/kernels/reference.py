@@ -2,13 +2,16 @@
 
 Same contracts as `paged_attention`, `store_kv` and `copy_blocks` of radixkv.kernels, written for
 clarity first but without waste: attention gathers each sequence's KV through its block table and
-runs torch's scaled_dot_product_attention on it, computing in float32.
+runs torch's scaled_dot_product_attention on it, computing in float32. A quantized cache (int8 or
+float8_e4m3fn with per-token, per-head scales) is dequantized whole first: the kernels must give
+what attention over exactly those stored values gives.
 """
 
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from radixkv.kernels.checks import QUANTIZED_DTYPES
 
 
 def paged_attention_ref(
@@ -22,6 +25,8 @@ def paged_attention_ref(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per sequence: gather K/V through the block table, expand the KV heads to the query heads
     (measured faster on CPU than SDPA's enable_gqa), then SDPA with the causal mask aligned to the
@@ -30,7 +35,10 @@ def paged_attention_ref(
     With a `window` only the keys some new token sees are gathered (from the first new token's
     position - window + 1 on) and the mask keeps key j for the token at p where p - window < j <= p.
     With a `softcap` the logits are written out: softmax(softcap * tanh(q k^T * scale / softcap)).
+    With `k_scale` and `v_scale` the caches are quantized: attention runs over `dequantize_ref` of them.
     """
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_ref(k_cache, k_scale), dequantize_ref(v_cache, v_scale)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -67,15 +75,45 @@ def paged_attention_ref(
     return out
 
 
+def quantize_ref(
+    x: torch.Tensor, dtype: torch.dtype, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., D]` as `dtype` (int8 or float8_e4m3fn) and one scale per row `[...]`: the scale is
+    max|row| / the dtype's largest value, rounded to `scale_dtype`; each element is x / scale
+    (1 for an all-zero row), clamped to that largest value, then rounded half up for int8 or cast
+    for float8. Computed in float32."""
+    limit = QUANTIZED_DTYPES[dtype]
+    x = x.float()
+    scale = (x.abs().amax(-1) / limit).to(scale_dtype)
+    divisor = torch.where(scale > 0, scale.float(), 1.0)
+    y = (x / divisor[..., None]).clamp(-limit, limit)
+    return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale
+
+
+def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values a quantized cache `[..., D]` with its scales `[...]` stands for."""
+    return cache.float() * scale.float()[..., None]
+
+
 def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache.view(-1, Hkv, D)[slot] = k[t] for every token whose slot is not -1; likewise v."""
+    """k_cache.view(-1, Hkv, D)[slot] = k[t] for every token whose slot is not -1; likewise v. With
+    scales, each token's head is stored as `quantize_ref` of it and its scale at the same slot."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scale is None:
+            cache[blocks, offsets] = x[keep]
+        else:
+            cache[blocks, offsets], scale[blocks, offsets] = quantize_ref(x[keep], cache.dtype, scale.dtype)
 
 
 def copy_blocks_ref(

@@ -31,6 +31,7 @@ class PagedBatch:
     `slot_mapping[t]` is `block * block_size + offset` of new token t; `block_table`, `seq_lens`
     and `query_start_loc` have the meanings of `radixkv.kernels.paged_attention`; `launches` is
     its plan for this batch, made once per step (`plan_paged_attention`) rather than per layer.
+    `k_scales[layer]`, `v_scales[layer]` are a quantized cache's scales (None: not quantized).
     `load`, when set, holds the step's host-tier loads: each layer waits for its own part of them
     before it touches its cache (`radixkv.model.layered_load`). `windows[layer]` is that layer's
     sliding window (None: full causal attention), `LoadedModel.layer_windows`. With KV groups
@@ -40,6 +41,8 @@ class PagedBatch:
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
+    k_scales: list[torch.Tensor] | None
+    v_scales: list[torch.Tensor] | None
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -83,13 +86,10 @@ def paged_attention_forward(
     if paged_batch.group_of is not None:
         group = paged_batch.group_of[layer]
         block_table, slot_mapping = paged_batch.group_tables[group], paged_batch.group_slots[group]
-    store_kv(
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        k_cache,
-        v_cache,
-        slot_mapping,
-    )
+    scales = {}
+    if paged_batch.k_scales is not None:
+        scales = {"k_scale": paged_batch.k_scales[layer], "v_scale": paged_batch.v_scales[layer]}
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, slot_mapping, **scales)
     out = paged_attention(
         query[0].transpose(0, 1),
         k_cache,
@@ -101,6 +101,7 @@ def paged_attention_forward(
         launches=paged_batch.launches,
         window=paged_batch.windows[layer],
         softcap=softcap,
+        **scales,
     )
     return out.unsqueeze(0), None
 

@@ -17,6 +17,7 @@ from radixkv.kernels import AttentionLaunches, plan_paged_attention
 from radixkv.model.attention_backend import PAGED_ATTENTION, PagedBatch
 from radixkv.model.cuda_graphs import DecodeGraphs
 from radixkv.model.host_kv import HostKVCache
+from radixkv.model.kv_layout import KVLayout
 from radixkv.model.layered_load import LayeredLoad, send
 from radixkv.model.loader import LoadedModel
 from radixkv.model.persistent_batch import HostBatch, PersistentBatch
@@ -25,19 +26,27 @@ from radixkv.scheduler.chunk import SequenceChunk
 
 
 def kv_block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    """Bytes of one block: K and V, of every layer, for `block_size` tokens. With KV groups a
-    block holds one group's layers: pass `KVGroups.layers_per_group`."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    """Bytes of one block: K and V, of every layer, for `block_size` tokens, scales included when
+    `kv_cache_dtype` quantizes (`radixkv.model.kv_layout`). With KV groups a block holds one
+    group's layers: pass `KVGroups.layers_per_group`."""
+    return KVLayout(kv_cache_dtype, dtype, block_size, num_kv_heads, head_dim).block_bytes(num_layers)
 
 
 class ModelRunner:
     """Owns the KV cache of one model and runs forward steps over it.
 
     The cache is one zeroed tensor `[2, num_layers, num_blocks, block_size, Hkv, D]` in the model's
-    dtype: `k_caches[l]` and `v_caches[l]` are its per-layer views in the kernels' layout, and the
+    dtype, or with `kv_cache_dtype` int8 / fp8_e4m3 `[2, num_layers, num_blocks, 1, 1, row_bytes]`
+    of quantized values and their scales (`radixkv.model.kv_layout`): `k_caches[l]` and
+    `v_caches[l]` are its per-layer views in the kernels' layout (`k_scales[l]`, `v_scales[l]` the
+    scales', None unquantized), and the
     flattened `[num_layers * num_blocks, ...]` view lets one `copy_blocks` launch copy a block in
     every layer. With KV groups (`groups`, `radixkv.cache.kv_groups`: layers of different
     windows; None is one group of every layer) it is `[2, layers_per_group, num_blocks, ...]`: a
@@ -68,6 +77,7 @@ class ModelRunner:
         num_host_blocks: int = 0,
         cuda_graph_max_seqs: int = 0,
         groups: KVGroups | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
@@ -84,12 +94,15 @@ class ModelRunner:
         self.groups = groups if groups is not None else kv_groups(self.windows, split=False)
         if self.groups.num_groups > 1 and num_host_blocks:
             raise ValueError("a host KV tier moves every layer of a block: it needs one KV group")
-        slots = self.groups.layers_per_group
-        shape = (2, slots, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=loaded.dtype, device=self.device)
-        k_slots, v_slots = self.kv_cache[0].unbind(0), self.kv_cache[1].unbind(0)
-        self.k_caches = [k_slots[j] for j in self.groups.slot]
-        self.v_caches = [v_slots[j] for j in self.groups.slot]
+        self.layout = KVLayout(kv_cache_dtype, loaded.dtype, block_size, loaded.num_kv_heads, loaded.head_dim)
+        self.kv_cache = self.layout.allocate(self.groups.layers_per_group, num_blocks, self.device)
+        k_slots = [self.layout.views(c) for c in self.kv_cache[0].unbind(0)]
+        v_slots = [self.layout.views(c) for c in self.kv_cache[1].unbind(0)]
+        self.k_caches = [k_slots[j][0] for j in self.groups.slot]
+        self.v_caches = [v_slots[j][0] for j in self.groups.slot]
+        quantized = self.layout.quantized
+        self.k_scales = [k_slots[j][1] for j in self.groups.slot] if quantized else None
+        self.v_scales = [v_slots[j][1] for j in self.groups.slot] if quantized else None
         self.closed = False
         self.batch = PersistentBatch(
             num_blocks, block_size, loaded.max_model_len, self.device, self.groups.num_groups
@@ -132,7 +145,7 @@ class ModelRunner:
         """Frees the KV cache, device and host (pinned) alike, the step buffers and the CUDA
         graphs' memory; a later forward raises RuntimeError. Idempotent."""
         self.closed = True
-        self.kv_cache = self.k_caches = self.v_caches = None
+        self.kv_cache = self.k_caches = self.v_caches = self.k_scales = self.v_scales = None
         self.host = self.graphs = self.pending_load = self.last_load = None
         self.batch = None
         if self.device.type == "cuda":
@@ -196,6 +209,8 @@ class ModelRunner:
         return PagedBatch(
             k_caches=self.k_caches,
             v_caches=self.v_caches,
+            k_scales=self.k_scales,
+            v_scales=self.v_scales,
             slot_mapping=step.slot_mapping,
             block_table=step.block_table,
             seq_lens=step.seq_lens,
@@ -237,6 +252,7 @@ class ModelRunner:
         # [2, layers, pairs] -> rows src and dst, each layer after layer; contiguous for the kernel.
         ids = (torch.tensor(blocks, dtype=torch.int64, device="cpu").view(2, 1, -1) + offsets).view(2, -1)
         ids = send(ids, self.device)
+        # Whole blocks as stored: a quantized block's row of bytes carries its scales with it.
         k_flat, v_flat = self.kv_cache[0].flatten(0, 1), self.kv_cache[1].flatten(0, 1)
         kernels.copy_blocks(k_flat, v_flat, ids[0], ids[1])
 

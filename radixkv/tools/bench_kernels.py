@@ -5,6 +5,9 @@ physical blocks shuffled: decode (32 sequences, 1 new token each, 1,024 tokens i
 (4 sequences, 512 new tokens after 1,536 cached) and prefill (2 sequences of 2,048 new tokens).
 For each case the kernel, then the reference, is warmed up once and timed `--repeats` times; the
 medians are reported with their ratio (Triton / reference) and the largest difference of outputs.
+Each case runs twice: over a float32 cache (`kv auto`) and over an int8 cache with per-token,
+per-head float16 scales (`kv int8`, the caches quantized by the reference's `quantize_ref`, the
+reference then attending over their dequantized values), the row beside its full-precision one.
 On a machine without a GPU both run on the CPU, Triton through its interpreter.
 
 On a GPU it also measures decode bandwidth: 64 sequences of 4,096 tokens, head size 128, bfloat16,
@@ -27,7 +30,7 @@ import torch
 
 from radixkv.kernels.launch_plan import INTERPRETED
 from radixkv.kernels.paged_attention import paged_attention, plan_paged_attention
-from radixkv.kernels.reference import paged_attention_ref
+from radixkv.kernels.reference import paged_attention_ref, quantize_ref
 from radixkv.tools.device_peaks import peak_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
@@ -63,6 +66,7 @@ class BandwidthResult(NamedTuple):
 
 class CaseResult(NamedTuple):
     case: str
+    kv_cache_dtype: str
     num_seqs: int
     new_tokens: int
     seq_len: int
@@ -79,16 +83,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"paged attention, float32, {NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head size "
               f"{HEAD_DIM}, block size {BLOCK_SIZE}; {backend}; median of {args.repeats}")
-        print(f"{'case':<8} {'seqs':>4} {'new':>5} {'len':>5} {'triton ms':>10} {'torch ms':>9} {'ratio':>6} "
-              f"{'max err':>8}", flush=True)
+        print(f"{'case':<8} {'kv':<5} {'seqs':>4} {'new':>5} {'len':>5} {'triton ms':>10} {'torch ms':>9} "
+              f"{'ratio':>6} {'max err':>8}", flush=True)
     results = []
     for case in CASES:
-        result = _run_case(case, device, args.repeats)
-        results.append(result)
-        if not args.json:
-            print(f"{result.case:<8} {result.num_seqs:>4} {result.new_tokens:>5} {result.seq_len:>5} "
-                  f"{result.triton_ms:>10.1f} {result.reference_ms:>9.1f} {result.ratio:>6.2f} "
-                  f"{result.max_abs_err:>8.1e}", flush=True)
+        for kv_cache_dtype in ("auto", "int8"):
+            r = _run_case(case, device, args.repeats, kv_cache_dtype)
+            results.append(r)
+            if not args.json:
+                print(f"{r.case:<8} {r.kv_cache_dtype:<5} {r.num_seqs:>4} {r.new_tokens:>5} {r.seq_len:>5} "
+                      f"{r.triton_ms:>10.1f} {r.reference_ms:>9.1f} {r.ratio:>6.2f} {r.max_abs_err:>8.1e}",
+                      flush=True)
     bandwidth = None if INTERPRETED else _decode_bandwidth(device, args.repeats)
     if bandwidth is not None and not args.json:
         b = bandwidth
@@ -103,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             "bandwidth": bandwidth._asdict() if bandwidth is not None else None,
         }
         print(json.dumps(report, indent=2))
-    broken = [r.case for r in results if r.max_abs_err > MAX_ABS_ERR]
+    broken = [f"{r.case} ({r.kv_cache_dtype})" for r in results if r.max_abs_err > MAX_ABS_ERR]
     if bandwidth is not None and bandwidth.max_abs_err > BF16_MAX_ABS_ERR:
         broken.append(BANDWIDTH_CASE.name)
     if broken:
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_case(case: Case, device: torch.device, repeats: int) -> CaseResult:
+def _run_case(case: Case, device: torch.device, repeats: int, kv_cache_dtype: str) -> CaseResult:
     generator = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-case.seq_len // BLOCK_SIZE)
     num_blocks = case.num_seqs * blocks_per_seq
@@ -129,10 +134,15 @@ def _run_case(case: Case, device: torch.device, repeats: int) -> CaseResult:
         torch.full((case.num_seqs,), case.seq_len, dtype=torch.int32, device=device),
         torch.arange(0, case.num_seqs + 1, dtype=torch.int32, device=device) * case.new_tokens,
     )
-    kernel_out, kernel_ms = median_ms(lambda: paged_attention(*inputs), repeats, device)
-    reference_out, reference_ms = median_ms(lambda: paged_attention_ref(*inputs), repeats, device)
+    scales, k_v = {}, inputs[1:3]
+    if kv_cache_dtype == "int8":
+        (k_cache, k_scale), (v_cache, v_scale) = (quantize_ref(c, torch.int8, torch.float16) for c in k_v)
+        inputs = (inputs[0], k_cache, v_cache, *inputs[3:])
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    kernel_out, kernel_ms = median_ms(lambda: paged_attention(*inputs, **scales), repeats, device)
+    reference_out, reference_ms = median_ms(lambda: paged_attention_ref(*inputs, **scales), repeats, device)
     return CaseResult(
-        case.name, case.num_seqs, case.new_tokens, case.seq_len, kernel_ms, reference_ms,
+        case.name, kv_cache_dtype, case.num_seqs, case.new_tokens, case.seq_len, kernel_ms, reference_ms,
         kernel_ms / reference_ms, (kernel_out - reference_out).abs().max().item(),
     )
 

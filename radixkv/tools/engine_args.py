@@ -22,6 +22,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_cache_switch
     engine.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB; default: part of free memory")
+    engine.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+        help="auto: the model's dtype; int8: 1 byte per value with per-token, per-head scales; "
+        "fp8_e4m3: likewise, CUDA compute capability 8.9+ only",
+    )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -60,6 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

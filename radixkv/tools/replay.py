@@ -235,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         "model": config.model,
         "block_size": config.block_size,
         "kv_cache_memory": config.kv_cache_memory,
+        "kv_cache_dtype": config.kv_cache_dtype,
         "eviction": config.eviction,
         "tensor_parallel_size": config.tensor_parallel_size,
         "host_kv_cache_memory": config.host_kv_cache_memory,
