@@ -109,7 +109,7 @@ def _replay(engine: Any, workload: Workload, speed: float, progress: bool) -> Ru
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
-    """A run as the report's `RUN` object (docs/reference.md)."""
+    """A run as the report's `RUN` object (docs/cli.md, "replay --report JSON")."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     m = result.metrics
