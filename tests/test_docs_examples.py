@@ -46,7 +46,8 @@ NOT_RUN = {
 
 # The block that `.ci/run` checks for, verbatim: it installs, so it is never run here.
 TEST_COMMAND = (
-    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]" && pytest'
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0"
+    ' && pip install -e ".[test]" && pytest'
 )
 
 
@@ -74,10 +75,11 @@ def blocks(path: Path) -> list[Block]:
         end = i + 1
         while not (FENCE.match(lines[end]) and FENCE.match(lines[end]).group(2).strip() == ""):
             end += 1
-        code = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end])
+        body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]]
         mark = MARK.match(lines[i - 1]) if i else None
         language = info.split()[0] if info else ""
-        found.append(Block(page, i + 1, language, code + "\n", mark and mark.group(1), mark.group(2) if mark else ""))
+        kind, reason = (mark.group(1), mark.group(2)) if mark else (None, "")
+        found.append(Block(page, i + 1, language, "\n".join(body) + "\n", kind, reason))
         i = end + 1
     return found
 
@@ -178,7 +180,7 @@ def test_python_examples_run(page: str, found: list[Block], tmp_path: Path):
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, f"{page}'s Python examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"{page}'s examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
 @pytest.mark.parametrize("block", _bash_blocks())
