@@ -1,4 +1,4 @@
-"""`radixkv replay` end to end on a tiny workload: the report's shape (docs/reference.md) and sense."""
+"""`radixkv replay` end to end on a tiny workload: the report's shape (docs/cli.md) and sense."""
 
 from __future__ import annotations
 

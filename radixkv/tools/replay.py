@@ -117,7 +117,7 @@ def replay_engine(
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
-    """A run as the report's `RUN` object (docs/reference.md)."""
+    """A run as the report's `RUN` object (docs/cli.md, "replay --report JSON")."""
     recs = result.records
     prompt = sum(r.prompt_tokens for r in recs)
     m = result.metrics

@@ -1,0 +1,201 @@
+"""Every `python` and `bash` block of the documentation (docs/ and README.md) runs, unless its page
+says why not.
+
+The convention: a fenced block tagged `python` or `bash` is an example. An HTML comment
+`<!-- not run: REASON -->` on the line before it keeps it from running (a GPU, a server, the
+network, a long benchmark), and `<!-- run: slow -->` runs it in the slow tier only. Every fence must
+name its language (`text` for a synopsis or an outline), so no command hides in an untagged block,
+and the blocks not run are counted per page against `NOT_RUN`, so a new one is a decision made here.
+
+A page's Python blocks run in order in one namespace, in one fresh interpreter, as a reader would
+type them into one session (top-level `await` allowed). Each bash block runs under
+`bash -euo pipefail` in a temporary folder that holds a link to the repository's `workloads/`.
+Examples use the presets (seeded random weights, nothing downloaded) and small arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+FENCE = re.compile(r"^(\s*)```(.*)$")
+MARK = re.compile(r"^\s*<!--\s*(not run|run):\s*(.*?)\s*-->\s*$")
+EXAMPLE_LANGUAGES = {"python", "bash"}
+
+# Blocks each page does not run, each with its reason written before it in the page.
+NOT_RUN = {
+    "README.md": 5,
+    "docs/benchmarks.md": 3,
+    "docs/cache.md": 2,
+    "docs/getting-started.md": 3,
+    "docs/kv-store.md": 1,
+    "docs/python-api.md": 1,
+    "docs/replicas.md": 2,
+    "docs/serving.md": 6,
+    "docs/tensor-parallelism.md": 2,
+}
+
+# The block that `.ci/run` checks for, verbatim: it installs, so it is never run here.
+TEST_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0"
+    ' && pip install -e ".[test]" && pytest'
+)
+
+
+class Block(NamedTuple):
+    page: str
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+    mark: str | None  # "not run", "run" or None
+    reason: str
+
+
+def blocks(path: Path) -> list[Block]:
+    """Every fenced block of a page, with the mark on the line before it."""
+    page = path.relative_to(ROOT).as_posix()
+    lines = path.read_text().split("\n")
+    found = []
+    i = 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, info = opening.group(1), opening.group(2).strip()
+        end = i + 1
+        while not (FENCE.match(lines[end]) and FENCE.match(lines[end]).group(2).strip() == ""):
+            end += 1
+        body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]]
+        mark = MARK.match(lines[i - 1]) if i else None
+        language = info.split()[0] if info else ""
+        kind, reason = (mark.group(1), mark.group(2)) if mark else (None, "")
+        found.append(Block(page, i + 1, language, "\n".join(body) + "\n", kind, reason))
+        i = end + 1
+    return found
+
+
+ALL = [block for path in PAGES for block in blocks(path)]
+EXAMPLES = [b for b in ALL if b.language in EXAMPLE_LANGUAGES]
+
+
+def _run_here(block: Block) -> bool:
+    return block.mark != "not run"
+
+
+def _slow(block: Block) -> bool:
+    return block.mark == "run" and block.reason == "slow"
+
+
+def test_every_fence_names_its_language():
+    untagged = [f"{b.page}:{b.line}" for b in ALL if not b.language]
+    assert not untagged, f"fences without a language (tag them `bash`, `python` or `text`): {untagged}"
+
+
+def test_marks_are_known_and_stand_before_examples():
+    for b in ALL:
+        if b.mark == "run":
+            assert b.reason == "slow", f"{b.page}:{b.line}: `<!-- run: slow -->` is the only run mark"
+        if b.mark:
+            assert b.language in EXAMPLE_LANGUAGES, f"{b.page}:{b.line}: a mark before a {b.language} block"
+        if b.mark == "not run":
+            assert b.reason, f"{b.page}:{b.line}: `not run` needs its reason"
+
+
+def test_blocks_not_run_are_the_counted_ones():
+    counted: dict[str, int] = {}
+    for b in EXAMPLES:
+        if not _run_here(b):
+            counted[b.page] = counted.get(b.page, 0) + 1
+    assert counted == NOT_RUN
+
+
+def test_readme_keeps_the_test_command_and_does_not_run_it():
+    (block,) = [b for b in EXAMPLES if b.page == "README.md" and b.code.strip() == TEST_COMMAND]
+    assert block.mark == "not run"
+
+
+def _python_pages() -> list:
+    pages = {}
+    for b in EXAMPLES:
+        if b.language == "python" and _run_here(b):
+            pages.setdefault(b.page, []).append(b)
+    return [
+        pytest.param(page, found, id=page, marks=[pytest.mark.slow] if any(map(_slow, found)) else [])
+        for page, found in pages.items()
+    ]
+
+
+def _bash_blocks() -> list:
+    return [
+        pytest.param(b, id=f"{b.page}:{b.line}", marks=[pytest.mark.slow] if _slow(b) else [])
+        for b in EXAMPLES
+        if b.language == "bash" and _run_here(b)
+    ]
+
+
+# Runs a page's blocks in one namespace; each block compiled on its own, so a traceback names it.
+DRIVER = """
+import ast, asyncio, json, sys
+blocks = json.load(open(sys.argv[1]))
+namespace = {"__name__": "__main__"}
+async def main():
+    for name, code in blocks:
+        result = eval(compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT), namespace)
+        if asyncio.iscoroutine(result):
+            await result
+asyncio.run(main())
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _folder(tmp_path: Path) -> Path:
+    (tmp_path / "workloads").symlink_to(ROOT / "workloads")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("page", "found"), _python_pages())
+def test_python_examples_run(page: str, found: list[Block], tmp_path: Path):
+    script = tmp_path / "blocks.json"
+    script.write_text(json.dumps([[f"{b.page}:{b.line}", b.code] for b in found]))
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(script)],
+        cwd=_folder(tmp_path),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{page}'s examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("block", _bash_blocks())
+def test_bash_examples_run(block: Block, tmp_path: Path):
+    bin_dir = str(Path(sys.executable).parent)  # `radixkv` and `python` of this environment
+    env = _env()
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.code],
+        cwd=_folder(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, (
+        f"{block.page}:{block.line} failed:\n{block.code}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    )
