@@ -37,9 +37,11 @@ NOT_RUN = {
     "docs/benchmarks.md": 3,
     "docs/cache.md": 2,
     "docs/getting-started.md": 3,
+    "docs/kv-quantization.md": 2,
     "docs/kv-store.md": 1,
     "docs/python-api.md": 1,
     "docs/replicas.md": 2,
+    "docs/restart.md": 3,
     "docs/serving.md": 6,
     "docs/tensor-parallelism.md": 2,
 }

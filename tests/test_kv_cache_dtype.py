@@ -11,12 +11,12 @@ import random
 
 import pytest
 import torch
-from radixkv.kernels.reference import dequantize_ref, quantize_ref
 from test_engine import transformers_greedy
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from radixkv import Engine, EngineConfig, SamplingParams
+from radixkv.kernels.reference import dequantize_ref, quantize_ref
 from radixkv.model.loader import load_model
 from radixkv.model.presets import PRESETS
 from radixkv.model.runner import kv_block_bytes

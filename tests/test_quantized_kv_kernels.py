@@ -8,11 +8,12 @@ read outside a sequence would show.
 
 import pytest
 import torch
+from test_paged_attention import MIXED, TOLERANCE, Batch, make_batch, poison_outside_window
+
 from radixkv.kernels import copy_blocks, paged_attention, store_kv
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
 from radixkv.kernels.paged_attention import launch_attention
 from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, quantize_ref, store_kv_ref
-from test_paged_attention import MIXED, TOLERANCE, Batch, make_batch, poison_outside_window
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
 from radixkv.kernels.checks import QUANTIZED_DTYPES
 
 
