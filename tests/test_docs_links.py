@@ -74,4 +74,4 @@ def test_relative_links_and_anchors_resolve(page: Path):
 def test_the_link_finder_sees_links():
     readme_links = links(ROOT / "README.md")
     assert "docs/getting-started.md" in readme_links
-    assert "adaptive-eviction-frequency-aware-admission-eviction-adaptive" in anchors(ROOT / "docs/cache.md")
+    assert "adaptive-eviction-eviction-adaptive" in anchors(ROOT / "docs/cache.md")
