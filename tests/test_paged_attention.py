@@ -29,6 +29,16 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # lengths that are not multiples of any block size.
 MIXED = [(1, 37), (1, 0), (19, 0), (5, 60), (1, 130), (33, 17), (2, 1), (1, 255)]
 
+# One plan of each shape the launcher picks: several items a program, items spanning sequences,
+# and the GPU's one item a program, with and without split KV.
+PLAN_SHAPES = [
+    AttentionPlan(block_q=4, items=4, block_n=16, num_splits=1, flat_loads=True),
+    AttentionPlan(block_q=8, items=2, block_n=32, num_splits=1, flat_loads=False),
+    AttentionPlan(block_q=4, items=1, block_n=16, num_splits=1, flat_loads=False),
+    AttentionPlan(block_q=16, items=1, block_n=32, num_splits=4, flat_loads=False),
+]
+PLAN_IDS = ["several-items", "items-span-sequences", "gpu-one-item", "gpu-split-kv"]
+
 
 class Batch(NamedTuple):
     q: torch.Tensor
@@ -125,13 +135,8 @@ def test_prefill_and_extend_longer_than_one_key_step_match_reference() -> None:
 
 @pytest.mark.parametrize(
     "plan",
-    [
-        AttentionPlan(block_q=4, items=4, block_n=16, num_splits=1, flat_loads=True),
-        AttentionPlan(block_q=8, items=2, block_n=32, num_splits=1, flat_loads=False),
-        AttentionPlan(block_q=4, items=1, block_n=16, num_splits=1, flat_loads=False),
-        AttentionPlan(block_q=16, items=1, block_n=32, num_splits=4, flat_loads=False),
-    ],
-    ids=["several-items", "items-span-sequences", "gpu-one-item", "gpu-split-kv"],
+    PLAN_SHAPES,
+    ids=PLAN_IDS,
 )
 def test_every_plan_shape_matches_reference(plan: AttentionPlan) -> None:
     """With the GPU's tile count (a bound from the shapes): the tiles past the last do nothing."""

@@ -8,7 +8,15 @@ read outside a sequence would show.
 
 import pytest
 import torch
-from test_paged_attention import MIXED, TOLERANCE, Batch, make_batch, poison_outside_window
+from test_paged_attention import (
+    MIXED,
+    PLAN_IDS,
+    PLAN_SHAPES,
+    TOLERANCE,
+    Batch,
+    make_batch,
+    poison_outside_window,
+)
 
 from radixkv.kernels import copy_blocks, paged_attention, store_kv
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
@@ -88,13 +96,8 @@ def test_mixed_ragged_batch_over_int8_cache_matches_reference(
 
 @pytest.mark.parametrize(
     "plan",
-    [
-        AttentionPlan(block_q=4, items=4, block_n=16, num_splits=1, flat_loads=True),
-        AttentionPlan(block_q=8, items=2, block_n=32, num_splits=1, flat_loads=False),
-        AttentionPlan(block_q=4, items=1, block_n=16, num_splits=1, flat_loads=False),
-        AttentionPlan(block_q=16, items=1, block_n=32, num_splits=4, flat_loads=False),
-    ],
-    ids=["several-items", "items-span-sequences", "gpu-one-item", "gpu-split-kv"],
+    PLAN_SHAPES,
+    ids=PLAN_IDS,
 )
 def test_every_plan_shape_over_int8_cache_matches_reference(plan: AttentionPlan) -> None:
     """Decode, prefill and extend in each plan, with a window (blocks outside it poisoned) and a cap."""

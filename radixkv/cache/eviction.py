@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import xxhash
 
 from radixkv.cache.frequency_sketch import FrequencySketch
-from radixkv.cache.miniature import ATTENTION_TOKENS, SETTINGS, Miniatures, Setting
+from radixkv.cache.miniature import (
+    ATTENTION_TOKENS,
+    PROTECTED_SHARE,
+    SETTINGS,
+    Miniatures,
+    Setting,
+    gdsf_priority,
+)
 from radixkv.errors import InvariantError
 
 if TYPE_CHECKING:
@@ -125,8 +132,7 @@ class GDSF(EvictionPolicy):
         return (node.priority, node.last_access)
 
     def touched(self, node: EvictableNode) -> None:
-        cost = 1.0 + node.end / self.attention_tokens
-        node.priority = self.inflation + (node.hits + 1) * cost
+        node.priority = gdsf_priority(self.inflation, node.hits, node.end, self.attention_tokens)
 
     def evicted(self, node: EvictableNode) -> None:
         self.inflation = max(self.inflation, node.priority)
@@ -217,7 +223,6 @@ class Adaptive(EvictionPolicy):
     """
 
     name = "adaptive"
-    PROTECTED_SHARE = 0.8
     TRAJECTORY = 4096
     MARGIN = 0.02
 
@@ -269,7 +274,7 @@ class Adaptive(EvictionPolicy):
         if not isinstance(entry, _Entry):  # a new leaf: its blocks were computed
             key = self._content_key(node)
             self.sketch.add(key)
-            sampled = tuple(minis.sample(node.tokens, node.start)) if minis is not None else ()
+            sampled = minis.sample(node.tokens, node.start) if minis is not None else ()
             self._accessed(sampled, False)
             node.priority = self._placed(node, WINDOW, node.last_access, key, sampled, -2)
             return
@@ -283,7 +288,7 @@ class Adaptive(EvictionPolicy):
         elif node.end > entry.end and minis is not None:  # extended: the new blocks were computed
             grown = minis.sample(node.tokens, node.start, (entry.end - node.start) // self.block_size)
             self._accessed(grown, False)
-            sampled += tuple(grown)
+            sampled += grown
         segment, stamp = entry.segment, entry.stamp
         seen = entry.seen
         if node.hits > entry.hits:
@@ -320,7 +325,7 @@ class Adaptive(EvictionPolicy):
             return  # leaves are ranked by GDSF's priority
         total = sum(self.sizes)
         window_max = self.window_share * total
-        protected_max = self.PROTECTED_SHARE * (total - window_max)
+        protected_max = PROTECTED_SHARE * (total - window_max)
         while self.sizes[PROTECTED] > protected_max:
             rekey(self._first(leaves, PROTECTED), self._move_to(PROBATION))
         while self.sizes[WINDOW] > window_max:  # the window's overflow waits at the door
@@ -365,9 +370,9 @@ class Adaptive(EvictionPolicy):
         return _Entry(segment, stamp, node.hits, node.start, node.end, key, sampled, seen)
 
     def _gdsf_priority(self, node: EvictableNode) -> float:
-        return self.inflation + (node.hits + 1) * (1.0 + node.end / ATTENTION_TOKENS)
+        return gdsf_priority(self.inflation, node.hits, node.end)
 
-    def _accessed(self, sampled: tuple[tuple[int, int], ...] | list[tuple[int, int]], hit: bool) -> None:
+    def _accessed(self, sampled: tuple[tuple[int, int], ...], hit: bool) -> None:
         """The miniatures see `sampled` accessed (found by the live cache if `hit`); after each
         period, the setting to run is chosen."""
         minis = self.miniatures

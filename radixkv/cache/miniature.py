@@ -45,6 +45,14 @@ _MASK = (1 << 64) - 1
 _HALF = 1 << 63
 
 
+def gdsf_priority(inflation: float, hits: int, end: int, attention_tokens: int = ATTENTION_TOKENS) -> float:
+    """GDSF's priority of a run of blocks ending at position `end` that was hit `hits` times:
+    the inflation plus frequency times the cost of recomputing it, its MLP part (1) plus its
+    attention over the context before it. The one formula `GDSF`, `adaptive` under GDSF, and
+    the GDSF miniature rank by."""
+    return inflation + (hits + 1) * (1.0 + end / attention_tokens)
+
+
 class Setting(NamedTuple):
     """One setting `adaptive` can run in: W-TinyLFU with this window share (1.0 is LRU
     exactly), or GDSF (`window` None)."""
@@ -173,7 +181,7 @@ class MiniGDSF:
         self.clock += 1
         entry = self.entries.get(key)
         hits = 0 if entry is None else entry[2] + 1
-        priority = self.inflation + (hits + 1) * (1.0 + position / ATTENTION_TOKENS)
+        priority = gdsf_priority(self.inflation, hits, position)
         self.entries[key] = (priority, self.clock, hits)
         if entry is not None:
             return True
@@ -234,7 +242,7 @@ class Miniatures:
             return MiniLRU(self.capacity)
         return MiniTinyLFU(self.capacity, setting.window, self.counts)
 
-    def sample(self, tokens: list[int], start: int, first: int = 0) -> list[tuple[int, int]]:
+    def sample(self, tokens: list[int], start: int, first: int = 0) -> tuple[tuple[int, int], ...]:
         """(position, key) of the sampled full blocks among `tokens` (an edge beginning at
         position `start`, a block multiple), from its `first` block on."""
         B = self.block_size
@@ -244,7 +252,7 @@ class Miniatures:
             at = (depth - base) * B
             data = array("q", tokens[at : at + B]).tobytes()
             out.append((depth * B, xxhash.xxh3_64_intdigest(data, seed=depth)))
-        return out
+        return tuple(out)
 
     def _depths_between(self, lo: int, hi: int) -> list[int]:
         """The sampled block depths in [lo, hi): depth d is in when the Weyl sequence 1/2 + d *

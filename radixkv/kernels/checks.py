@@ -54,12 +54,7 @@ def check_cache(
         _check_scales(k_cache, k_scale, v_scale)
     if k_cache.stride(3) != 1:
         raise ValueError("k_cache must be contiguous in its last (head size) dimension")
-    if (v_cache.shape, v_cache.stride(), v_cache.dtype) != (k_cache.shape, k_cache.stride(), k_cache.dtype):
-        raise ValueError(
-            f"v_cache must have k_cache's shape, strides and dtype {tuple(k_cache.shape)}, "
-            f"{k_cache.stride()}, {k_cache.dtype}; got {tuple(v_cache.shape)}, {v_cache.stride()}, "
-            f"{v_cache.dtype}"
-        )
+    _check_twin("v_cache", v_cache, "k_cache", k_cache)
     check_same_device("v_cache", v_cache, k_cache.device)
 
 
@@ -86,11 +81,16 @@ def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: 
             f"k_scale must be [num_blocks, block_size, Hkv] = {list(want)} in float16 or float32, "
             f"got {tuple(k_scale.shape)}, {k_scale.dtype}"
         )
-    if (v_scale.shape, v_scale.stride(), v_scale.dtype) != (k_scale.shape, k_scale.stride(), k_scale.dtype):
-        raise ValueError(
-            f"v_scale must have k_scale's shape, strides and dtype {tuple(k_scale.shape)}, "
-            f"{k_scale.stride()}, {k_scale.dtype}; got {tuple(v_scale.shape)}, {v_scale.stride()}, "
-            f"{v_scale.dtype}"
-        )
+    _check_twin("v_scale", v_scale, "k_scale", k_scale)
     check_same_device("k_scale", k_scale, k_cache.device)
     check_same_device("v_scale", v_scale, k_cache.device)
+
+
+def _check_twin(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """`t` (a V tensor) has `like`'s (its K twin's) shape, strides and dtype: one kernel offset
+    serves both."""
+    if (t.shape, t.stride(), t.dtype) != (like.shape, like.stride(), like.dtype):
+        raise ValueError(
+            f"{name} must have {like_name}'s shape, strides and dtype {tuple(like.shape)}, "
+            f"{like.stride()}, {like.dtype}; got {tuple(t.shape)}, {t.stride()}, {t.dtype}"
+        )
