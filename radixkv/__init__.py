@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncEngine": "radixkv.async_engine",
+    "AsyncEngine": "radixkv.engine.async_engine",
     "Beam": "radixkv.outputs",
     "BeamSearchParams": "radixkv.sampling_params",
-    "Engine": "radixkv.engine",
+    "Engine": "radixkv.engine.sync_engine",
     "EngineConfig": "radixkv.config",
     "EngineDeadError": "radixkv.errors",
     "InvariantError": "radixkv.errors",
@@ -47,9 +47,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from radixkv.async_engine import AsyncEngine
     from radixkv.config import EngineConfig
-    from radixkv.engine import Engine
+    from radixkv.engine.async_engine import AsyncEngine
+    from radixkv.engine.sync_engine import Engine
     from radixkv.errors import EngineDeadError, InvariantError, RequestError
     from radixkv.outputs import Beam, RequestOutput, Sample, StreamDelta, TokenLogprob
     from radixkv.sampling_params import BeamSearchParams, SamplingParams

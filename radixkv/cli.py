@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
 ENGINE_BENCH_CASES = (
     "decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512", "overlap_decode_256",

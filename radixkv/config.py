@@ -52,7 +52,7 @@ class EngineConfig:
     (`radixkv.kvstore`). Single-rank only.
 
     `overlap` runs each step's forward on a worker thread while the host schedules and prepares
-    the next step (`radixkv.overlap`); None, the default, turns it on on CUDA and off on the CPU,
+    the next step (`radixkv.engine.overlap`); None, the default, turns it on on CUDA and off on the CPU,
     where host and "device" share the same cores and a forward leaves no time to hide.
     Single-rank only.
     """

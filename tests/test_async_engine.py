@@ -20,7 +20,7 @@ import time
 import pytest
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, SamplingParams, StreamDelta
-from radixkv.engine_process.core_client import CoreClient
+from radixkv.engine.process.core_client import CoreClient
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB"}
 

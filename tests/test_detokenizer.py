@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.model.tokenizer import build_byte_tokenizer
 
 TOKENIZER = build_byte_tokenizer()

@@ -1,4 +1,4 @@
-"""The engine core in its own process (`radixkv.engine_process`): what the front end gets from it
+"""The engine core in its own process (`radixkv.engine.process`): what the front end gets from it
 equals the in-process engine's, a failed step fails only its requests, control calls reach the
 core, and a dead core is a clean error at once, in `AsyncEngine` and in `radixkv serve`.
 
@@ -25,7 +25,7 @@ from processes import children, exited
 from test_server import serve
 
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
-from radixkv.engine_process.messages import (
+from radixkv.engine.process.messages import (
     Done,
     Fatal,
     RequestUpdate,
@@ -371,7 +371,7 @@ def test_each_core_is_forked_in_the_callers_directory_and_environment(model_fold
 def test_a_core_outlives_its_killed_launcher_and_the_next_core_gets_a_new_one(model_folders):
     """The launcher is only the cores' starter: killed, its core keeps serving and shuts down at
     once (nobody reports its exit: its pidfd tells), and the next engine starts a new launcher."""
-    from radixkv.engine_process import launcher
+    from radixkv.engine.process import launcher
 
     config = EngineConfig(model=str(model_folders["llama"]), **KW)
 
@@ -399,7 +399,7 @@ def test_a_forked_child_of_the_front_end_does_not_keep_its_launcher_alive(monkey
     end forked (multiprocessing's fork start method) lets go of that pipe at the fork, so the
     launcher still ends with its parent while the child lives on. Without that, the launcher
     waited for the child."""
-    from radixkv.engine_process import launcher
+    from radixkv.engine.process import launcher
 
     fresh = launcher.Launcher()
     monkeypatch.setattr(launcher, "_launcher", fresh)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.engine_process.launcher import Launcher
+from radixkv.engine.process.launcher import Launcher
 
 HEAVY = ("torch", "transformers", "triton")
 ROOT = Path(__file__).resolve().parents[1]

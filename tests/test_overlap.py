@@ -15,7 +15,8 @@ import pytest
 import torch
 from test_engine import checked, no_leaks, prompts
 
-from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams, overlap
+from radixkv import BeamSearchParams, Engine, RequestError, SamplingParams
+from radixkv.engine import overlap
 from radixkv.model import step_worker
 from radixkv.model.step_worker import StepWorker
 from radixkv.outputs import RequestOutput

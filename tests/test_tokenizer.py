@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from radixkv.input_processor import InputProcessor
+from radixkv.engine.input_processor import InputProcessor
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 

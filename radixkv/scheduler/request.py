@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixkv.cache.kv_cache_manager import BlockTable
-from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.outputs import TokenLogprob
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 
@@ -71,7 +71,7 @@ class Sequence:
         """One piece of text per generated token of `tokens[:end]` (all by default; [] without a
         tokenizer), detokenizing now what the step left (only sequences with stop strings are
         detokenized in the step, or by the front end's reader thread for a core in its own
-        process; see `radixkv.detokenizer`). Once the sequence has finished other than by
+        process; see `radixkv.engine.detokenizer`). Once the sequence has finished other than by
         abort, the last piece also carries the text held back; an aborted text ends at what its
         tokens released.
 

@@ -10,7 +10,7 @@ Keys: `--api-key` may be given several times and `--api-key-file` names a file o
 line (blank lines and `#` comments skipped); keys must be printable ASCII, checked before the
 model loads. `--cache-isolation per-key` gives each key a cache namespace of its own.
 
-The engine core runs in a process of its own (`radixkv.engine_process`); `--no-engine-process`
+The engine core runs in a process of its own (`radixkv.engine.process`); `--no-engine-process`
 keeps it in this one, stepped by a thread (for debugging). If the core process dies (a crash,
 SIGKILL, the OOM killer), every open request fails at once (a stream ends with an error event),
 `/health` answers 503 and the server exits with status 1 within `DEATH_CHECK_S` plus the time
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     keys = read_api_keys(args)
     if not args.no_engine_process:
-        from radixkv.engine_process import launcher
+        from radixkv.engine.process import launcher
 
         launcher.start()  # it imports the engine while this process does
     import uvicorn

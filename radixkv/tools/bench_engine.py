@@ -57,7 +57,7 @@ from radixkv.model.runner import kv_block_bytes
 from radixkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
 PARTS = ("schedule", "block_transfers", "prepare_inputs", "forward_stub", "postprocess", "other")
 """Where a step's host time goes: `prepare_inputs` is `ModelRunner.forward` less the stub's call;
@@ -157,7 +157,7 @@ class _Timer:
 
 def stub_engine(config: EngineConfig, max_rows: int, busy_s: float = 0.0) -> tuple[Engine, StubModel]:
     """An engine whose model forward is a `StubModel` (the KV cache is allocated but never read)."""
-    from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
+    from radixkv.engine.sync_engine import Engine  # here, so that `radixkv --help` does not load torch
 
     engine = Engine(config)
     stub = StubModel(engine.model.vocab_size, max_rows, engine.runner.device, busy_s)

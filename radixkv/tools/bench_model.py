@@ -117,7 +117,7 @@ def _engine_config(name: str, plan: Plan) -> Any:
 
 def measure_forwards(config: Any, plan: Plan, peak_flops: float, peak_bytes_per_s: float) -> dict[str, Any]:
     """Prefill and decode cases of `plan` on a fresh engine built from `config` (closed after)."""
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
     with Engine(config) as engine:
         if engine.pool.num_blocks * engine.pool.block_size < plan.blocks_needed:

@@ -285,7 +285,7 @@ def stub_server() -> None:
     cpus = _cpu_list(sys.argv[8]) if sys.argv[8] else None
     import uvicorn
 
-    from radixkv.async_engine import AsyncEngine
+    from radixkv.engine.async_engine import AsyncEngine
     from radixkv.sampling_params import SamplingParams
     from radixkv.server.app import build_app
     from radixkv.tools.bench_engine import stub_config

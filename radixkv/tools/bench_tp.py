@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
 
 class StepTimes(NamedTuple):

@@ -36,13 +36,13 @@ from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_
 from radixkv.workloads.format import Workload, read_workload
 
 if TYPE_CHECKING:
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
     """Replays every session of `workload` through a fresh engine built from `config`, closed
     at the end (which stops its tensor-parallel workers, if any)."""
-    from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
+    from radixkv.engine.sync_engine import Engine  # here, so that `radixkv --help` does not load torch
 
     with Engine(config) as engine:
         return replay_engine(engine, workload, speed, progress)

@@ -95,7 +95,7 @@ def replay_restart(
 
 
 def _first_part(config: EngineConfig, workload: Workload, k: int, speed: float, progress: bool) -> Part:
-    from radixkv.engine import Engine  # here, so that `radixkv --help` does not load torch
+    from radixkv.engine.sync_engine import Engine  # here, so that `radixkv --help` does not load torch
 
     with Engine(config) as engine:
         return _play_first(engine, workload, k, speed, progress)
@@ -104,7 +104,7 @@ def _first_part(config: EngineConfig, workload: Workload, k: int, speed: float, 
 def _both_parts(
     config: EngineConfig, workload: Workload, k: int, speed: float, progress: bool
 ) -> tuple[Part, Part]:
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
     with Engine(config) as engine:
         first = _play_first(engine, workload, k, speed, progress)
@@ -115,7 +115,7 @@ def _second_part(
     config: EngineConfig, workload: Workload, k: int, histories: list[History], speed: float, progress: bool
 ) -> Part:
     """Part two on an engine of its own: what the new process runs."""
-    from radixkv.engine import Engine
+    from radixkv.engine.sync_engine import Engine
 
     with Engine(config) as engine:
         return _play_second(engine, workload, k, histories, speed, progress)

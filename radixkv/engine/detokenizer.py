@@ -79,7 +79,7 @@ class IncrementalDetokenizer:
         completes a stop string; returns how many tokens `ids` then has up to and including that
         one, or None when none did (all pushed) or one had already. The front end of a core in its
         own process finds stop strings this way, in the tokens each step sends
-        (`radixkv.engine_process`)."""
+        (`radixkv.engine.process`)."""
         if self.stopped:
             return None
         for n in range(self._start + len(self.pieces) + 1, len(ids) + 1):

@@ -6,7 +6,7 @@ build a core (5.7 s a start on this project's 2-core CI machine, most of a test 
 The front end cannot fork itself (its threads may hold locks a child would inherit), and
 multiprocessing's forkserver imports the caller's main module again in every child, which runs a
 script without a `__main__` guard twice. So a front end starts one launcher
-(`python -P -m radixkv.engine_process.launcher`: see `radixkv.interpreter`) at its first core
+(`python -P -m radixkv.engine.process.launcher`: see `radixkv.interpreter`) at its first core
 and keeps it: the launcher imports the core's modules, then serves requests one at a time. Each
 request carries the front end's working directory, environment and `sys.path` (so a core sees
 what a fresh child would) and the core's arguments; the launcher forks, the child becomes the
@@ -45,7 +45,7 @@ LENGTH = struct.Struct("<I")
 START_TIMEOUT_S = 60.0  # a fork and its answer; the core's own start is CoreClient's to wait for
 UNKNOWN_EXIT = 1  # a core whose launcher is gone has no status to report
 LOOK_S = 0.2  # how often a wait looks at a core's sentinel once its launcher is gone
-PRELOAD = ("radixkv.engine_core", "radixkv.engine_process.core_process")  # what every core imports
+PRELOAD = ("radixkv.engine.core", "radixkv.engine.process.core_process")  # what every core imports
 
 
 class CoreHandle:
@@ -275,7 +275,7 @@ def _become_core(payload: bytes, fds: tuple[int, ...]) -> None:
         os.environ.clear()
         os.environ.update(environ)
         sys.path[:] = path
-        from radixkv.engine_process import core_process
+        from radixkv.engine.process import core_process
 
         code = core_process.main(core_args)
     except BaseException:

@@ -1,11 +1,11 @@
 """The front end's side of an engine core in its own process: `CoreClient`.
 
 It stands where an `EngineCore` stands for `AsyncEngine`: `make_request` validates and
-tokenizes here (`radixkv.input_processor`, with the numbers the core sent in `Ready`), `submit`,
+tokenizes here (`radixkv.engine.input_processor`, with the numbers the core sent in `Ready`), `submit`,
 `abort` and `close_session` only send, and a reader thread receives each step's `StepOutput`,
 applies it to the front end's copies of the requests (their sequences' tokens, logprob records,
 finish reasons) and hands the requests it touched to `on_update`, as a stepping thread would.
-Texts are made from those copies where they are read (`radixkv.output_processor`).
+Texts are made from those copies where they are read (`radixkv.engine.output_processor`).
 
 Stop strings are found here, not in the core, as vLLM's front end finds them: a request with
 stop strings goes to the core without them, streamed step by step, and each step's tokens are
@@ -43,9 +43,11 @@ import msgspec
 import zmq
 
 from radixkv.config import EngineConfig
-from radixkv.engine_process import launcher
-from radixkv.engine_process.core_process import PARENT_CHECK_S
-from radixkv.engine_process.messages import (
+from radixkv.engine.input_processor import InputProcessor, Params, Prompt
+from radixkv.engine.output_processor import result_of, stream_deltas
+from radixkv.engine.process import launcher
+from radixkv.engine.process.core_process import PARENT_CHECK_S
+from radixkv.engine.process.messages import (
     Abort,
     AddRequest,
     CloseSession,
@@ -62,10 +64,8 @@ from radixkv.engine_process.messages import (
     unpack_ids,
 )
 from radixkv.errors import EngineDeadError, InvariantError, RequestError
-from radixkv.input_processor import InputProcessor, Params, Prompt
 from radixkv.model.loader import load_tokenizer
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
-from radixkv.output_processor import result_of, stream_deltas
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import SamplingParams
 from radixkv.scheduler.request import Request, Sequence, Status

@@ -41,9 +41,11 @@ from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
-from radixkv.engine_metrics import EngineMetrics
+from radixkv.engine.input_processor import InputProcessor, Params, Prompt
+from radixkv.engine.metrics import EngineMetrics
+from radixkv.engine.output_processor import beam_output, result_of, sample_output, stream_deltas
+from radixkv.engine.overlap import OverlapStepper
 from radixkv.errors import RequestError
-from radixkv.input_processor import InputProcessor, Params, Prompt
 from radixkv.kvstore import KeySpace, KVStore, open_backend
 from radixkv.metrics import prometheus_text
 from radixkv.model.loader import load_model
@@ -52,9 +54,7 @@ from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
-from radixkv.output_processor import beam_output, result_of, sample_output, stream_deltas
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
-from radixkv.overlap import OverlapStepper
 from radixkv.scheduler.request import Request, Sequence, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 from radixkv.structured.grammar import GrammarCompiler
@@ -286,7 +286,7 @@ class EngineCore:
         """Runs one engine step; returns the requests that made progress (new tokens or done).
         Requests the step failed are not among them: their callers get a RequestError. With
         `EngineConfig.overlap` a step submits the next batch and returns the tokens of the one
-        before (`radixkv.overlap`)."""
+        before (`radixkv.engine.overlap`)."""
         if self._overlap is not None:
             return self._overlap.step()
         with self._lock:
@@ -406,7 +406,7 @@ class EngineCore:
     def stream_deltas(
         self, request: Request, seq: Sequence, start: int, end: int, finished: bool
     ) -> list[StreamDelta]:
-        """See `radixkv.output_processor.stream_deltas`."""
+        """See `radixkv.engine.output_processor.stream_deltas`."""
         return stream_deltas(request, seq, start, end, finished)
 
     def decode(self, ids: list[int]) -> str:
@@ -416,7 +416,7 @@ class EngineCore:
     # ---------------------------------------------------------------- metrics
 
     def metrics(self) -> dict:
-        """Counters, gauges and latency histograms (`radixkv.engine_metrics`)."""
+        """Counters, gauges and latency histograms (`radixkv.engine.metrics`)."""
         return self.stats.snapshot(self.pool, self.kv, self.scheduler, self.store, len(self._inbox))
 
     def metrics_text(self) -> str:

@@ -2,7 +2,7 @@
 request's output, beams), detokenizing where the text is read.
 
 Shared by the engine core (in process) and the front end of an engine in its own process
-(`radixkv.engine_process`), whose copies of the requests hold the tokens the core sent; either
+(`radixkv.engine.process`), whose copies of the requests hold the tokens the core sent; either
 way the text is made in the reader's thread, off the step.
 """
 

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from radixkv.config import EngineConfig
-from radixkv.engine_process.messages import (
+from radixkv.engine.process.messages import (
     Abort,
     AddRequest,
     CloseSession,
@@ -145,7 +145,7 @@ class CoreProcess:
         self.outbox.send(self.encoder.encode(message), copy=False)
 
     def run(self, setup: Callable[[Any], None] | None) -> int:
-        from radixkv.engine_core import EngineCore  # here: the parent's import of this module stays light
+        from radixkv.engine.core import EngineCore  # here: the parent's import of this module stays light
 
         try:
             self.core = core = EngineCore(self.config)

@@ -2,7 +2,7 @@
 default) or in a background thread of this one.
 
 Where the core runs. By default (`engine_process=True`) the core lives in a child process
-(`radixkv.engine_process`): this process validates, tokenizes, detokenizes and streams, and the
+(`radixkv.engine.process`): this process validates, tokenizes, detokenizes and streams, and the
 step never waits for that work's interpreter lock. A reader thread receives each step's news and
 hands it on exactly as the loop thread below does, so everything else here is the same in both
 modes. If the core process dies, every open request fails at once with a `RequestError`
@@ -35,9 +35,9 @@ from typing import Any
 
 from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
-from radixkv.engine_core import EngineCore, Prompt
-from radixkv.engine_process.core_client import CoreClient
-from radixkv.engine_process.core_process import step_watching_stalls
+from radixkv.engine.core import EngineCore, Prompt
+from radixkv.engine.process.core_client import CoreClient
+from radixkv.engine.process.core_process import step_watching_stalls
 from radixkv.errors import EngineDeadError, RequestError
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams

@@ -1,7 +1,7 @@
 """Input processing: a prompt and its params checked and made into a `Request`, before any work.
 
 Shared by the engine core (in process) and the front end of an engine in its own process
-(`radixkv.engine_process`), which validates and tokenizes in the caller's process so that bad
+(`radixkv.engine.process`), which validates and tokenizes in the caller's process so that bad
 input is a ValueError at the call and the core only ever receives requests that fit. It needs no
 model, only the numbers that bound a request: the tokenizer, vocabulary size, `max_model_len`,
 `max_num_seqs`, the KV pool's size in blocks and, with sliding-window KV groups
@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.excerpt import excerpt
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
 from radixkv.sampling.sampler import make_generator
@@ -66,7 +66,7 @@ class InputProcessor:
         is decoded by its Rust backend directly (`_decodes_as_its_backend`): the same text as its
         `decode`, which adds only conversions of its input, in well under half the time (1.05 us
         against 2.58 us for 3 tokens, through `PerThreadTokenizer`); a streamed token costs two
-        decodes (`radixkv.detokenizer`), and the front end makes every stream's text."""
+        decodes (`radixkv.engine.detokenizer`), and the front end makes every stream's text."""
         if self.tokenizer is None:
             return ""
         if self._backend_decodes:
