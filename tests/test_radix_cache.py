@@ -4,7 +4,8 @@ import pytest
 
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.eviction import LFU, make_policy
-from radixkv.cache.radix_cache import RadixCache, _common_len
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_tree import _common_len
 
 
 def make(block_size: int, num_blocks: int = 64, policy=None) -> RadixCache:

@@ -14,7 +14,8 @@ from radixkv.cache.eviction import POLICIES, EvictionPolicy, make_policy
 from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
 from radixkv.cache.kv_cache_manager import NO_DATA, BlockMover, BlockTable, KVCacheManager
 from radixkv.cache.kv_groups import KVGroups, kv_groups
-from radixkv.cache.radix_cache import MatchResult, RadixCache, RadixNode
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_tree import MatchResult, RadixNode
 
 __all__ = [
     "NO_DATA",

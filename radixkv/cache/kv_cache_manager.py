@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks
 from radixkv.cache.host_tier import TransferKind, TransferQueue
 from radixkv.cache.kv_groups import KVGroups, sliding_keep_from, valid_match_end
-from radixkv.cache.radix_cache import RadixCache, RadixNode
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_tree import RadixNode
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.errors import InvariantError
 

@@ -24,7 +24,7 @@ import xxhash
 from radixkv.cache.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
-    from radixkv.cache.radix_cache import RadixNode
+    from radixkv.cache.radix_tree import RadixNode
 
 NEVER = float("inf")
 

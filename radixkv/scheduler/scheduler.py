@@ -33,7 +33,7 @@ import torch
 
 from radixkv.cache.block_pool import OutOfBlocks
 from radixkv.cache.kv_cache_manager import KVCacheManager
-from radixkv.cache.radix_cache import common_prefix_len
+from radixkv.cache.radix_tree import common_prefix_len
 from radixkv.kvstore.store import KVStore, StoredRun
 from radixkv.outputs import TokenLogprob
 from radixkv.sampling.logits_processors import TokenMask
