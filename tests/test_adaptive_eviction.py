@@ -145,21 +145,20 @@ def test_the_miniature_lru_and_gdsf_hit_exactly_as_naive_ones(seed):
     rng = random.Random(seed)
     stream = zipf_stream(rng, 4000, 300)
     for fast, naive in ((miniature.MiniLRU(50), NaiveLRU(50)), (miniature.MiniGDSF(50), NaiveGDSF(50))):
-        assert [fast.access(k, p) for p, k in stream] == [naive.access(k, p) for p, k in stream]
+        assert [fast.run([(p, k)]) == 1 for p, k in stream] == [naive.access(k, p) for p, k in stream]
         assert len(fast) == 50
 
 
 def test_the_miniature_tinylfu_keeps_a_hot_key_through_a_scan_that_flushes_lru():
     counts = miniature.Counts(10**6)
     tiny, lru = miniature.MiniTinyLFU(20, 0.05, counts), miniature.MiniLRU(20)
-    for _ in range(5):
-        counts.add(7)
-        tiny.access(7, 0), lru.access(7, 0)
+    for _ in range(5):  # the miniature counts what it runs
+        tiny.run([(0, 7)]), lru.run([(0, 7)])
+    assert counts.get(7) == 5
     for key in range(100, 160):  # a scan of keys seen once
-        counts.add(key)
-        tiny.access(key, 0), lru.access(key, 0)
+        tiny.run([(0, key)]), lru.run([(0, key)])
         assert len(tiny) <= 20
-    assert tiny.access(7, 0) and not lru.access(7, 0)
+    assert tiny.run([(0, 7)]) == 1 and lru.run([(0, 7)]) == 0
 
 
 def test_the_counts_halve_and_stay_within_their_bound():
@@ -187,24 +186,28 @@ def test_a_miniature_over_sampled_depths_estimates_the_full_lrus_hit_rate(num_bl
         for depth in range(lengths[doc])
     ]
     full = miniature.MiniLRU(num_blocks)
-    true_rate = sum(full.access(k, p) for p, k in stream) / len(stream)
+    true_rate = full.run(stream) / len(stream)
     minis = miniature.Miniatures(num_blocks, 16, settings=(miniature.LRU_SETTING,))
     sampled = set(minis._depths_between(0, 120))
     seen = [(p, k) for p, k in stream if p // 16 in sampled]
     assert 0.5 * minis.rate * len(stream) < len(seen) < 2 * minis.rate * len(stream)
-    mini_rate = sum(minis.caches[0].access(k, p) for p, k in seen) / len(seen)
+    mini_rate = minis.caches[0].run(seen) / len(seen)
     assert 0.2 < true_rate < 0.95 and abs(mini_rate - true_rate) < 0.04, (mini_rate, true_rate)
 
 
-def test_the_miniatures_hold_at_most_20_keys_per_16_blocks_of_the_pool():
+def test_the_miniatures_hold_at_most_35_keys_per_16_blocks_of_the_pool():
     small, large = miniature.Miniatures(4000, 16), miniature.Miniatures(1_000_000, 16)
-    assert small.max_entries == 5 * 250 + 15 * 250 and large.max_entries == 5 * 62_500 + 15 * 62_500
-    assert miniature.Miniatures(100, 16).max_entries == 5 * 64 + 15 * 64
+    # four miniatures (GDSF's heap beside its entries) and 1.5 count periods for each W-TinyLFU
+    assert small.max_entries == 5 * 250 + 2 * 15 * 250 and large.max_entries == 35 * 62_500
+    assert miniature.Miniatures(100, 16).max_entries == 35 * 64
     rng = random.Random(1)
     for _ in range(200):
         large.access([(16 * rng.randrange(10**5), rng.getrandbits(64)) for _ in range(50)], False)
     assert all(len(c) <= large.capacity for c in large.caches)
-    assert len(large.counts.counts) <= 1.5 * large.counts.period
+    tiny = [c for c in large.caches if isinstance(c, miniature.MiniTinyLFU)]
+    assert len(tiny) == 2 and all(len(c.counts.counts) <= 1.5 * c.counts.period for c in tiny)
+    held = sum(len(c) for c in large.caches) + sum(len(c.counts.counts) for c in tiny)
+    assert held <= large.max_entries
 
 
 def one_use(**changes) -> list[CacheRequest]:

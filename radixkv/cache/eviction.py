@@ -26,6 +26,7 @@ from radixkv.cache.miniature import (
     PROTECTED_SHARE,
     SETTINGS,
     Miniatures,
+    MiniTinyLFU,
     Setting,
     gdsf_priority,
 )
@@ -71,7 +72,9 @@ class EvictionPolicy:
         """`node` was created, matched or extended; its statistics are already updated."""
 
     def evicted(self, node: EvictableNode) -> None:
-        """The tree is about to evict blocks from the leaf `node` (the one with the smallest key)."""
+        """The tree is about to evict blocks from the leaf `node`, the one `arrange` chose; it is
+        out of the evictable leaves, so the policy may change its `priority` here (how what is
+        left of it ranks if the eviction takes only part)."""
 
     def trimmed(self, node: EvictableNode) -> None:
         """Eviction cut blocks off the tail of the leaf `node`, which stays evictable."""
@@ -85,10 +88,11 @@ class EvictionPolicy:
     def left(self, node: EvictableNode) -> None:
         """`node` left the evictable leaves, as it was when it `entered`."""
 
-    def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> None:
-        """Before each eviction from `leaves` (sorted by key): the policy may re-key leaves,
-        `rekey(node, change)` with `change` setting what its key reads, so that the one it wants
-        gone comes first. The base policies' keys already put it first."""
+    def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> EvictableNode:
+        """Before each eviction from `leaves` (sorted by key, never empty): returns the leaf to
+        evict. The policy may re-key leaves first, `rekey(node, change)` with `change` setting
+        what its key reads. The base policies' keys already put that leaf first."""
+        return leaves[0]
 
     def check_leaves(self, leaves: SortedKeyList) -> None:
         """Asserts the policy's own books about the evictable leaves agree with a recount."""
@@ -155,10 +159,11 @@ class SessionAware(EvictionPolicy):
         return (node.session in self.live, node.last_access)
 
 
-# `adaptive`'s segments, in eviction order: a duel's loser, the main area, the window, the
-# window's overflow waiting for its duel (which decides its fate whatever its rank), and every
-# leaf while the policy runs as GDSF.
+# `adaptive`'s segments, in eviction order: what a partial eviction left of a duel's loser,
+# the main area, the window, the window's overflow waiting for its duel (which decides its fate
+# whatever its rank), and every leaf while the policy runs as GDSF.
 EVICT, PROBATION, PROTECTED, WINDOW, CANDIDATE, BY_GDSF = range(6)
+SEGMENTS = 6
 
 
 class _Entry(NamedTuple):
@@ -180,14 +185,15 @@ class Adaptive(EvictionPolicy):
     miniature simulation of each setting on the live traffic.
 
     W-TinyLFU: a new leaf enters an LRU window. When the window's leaf blocks exceed their share
-    of the evictable leaves, its least recent leaves become candidates, and at each eviction the
-    oldest candidate duels the main area's next victim (probation's least recent, else
-    protected's): it is admitted to probation only if its estimated frequency beats the
-    victim's, and the loser is evicted. A probation leaf that is hit moves to protected;
-    protected's overflow (past 80% of the main area) is demoted to probation. Without a duel
-    pending, probation goes first, then protected, then the window. With the window at the whole
-    cache this is LRU exactly; with a small one, blocks used once are turned away at the door
-    and what is reused stays.
+    of the evictable leaves, its least recent leaves become candidates (a candidate hit while it
+    waits moves to protected), and at each eviction the oldest candidate duels the main area's
+    next victim (probation's least recent, else protected's): it is admitted to probation only
+    if its estimated frequency beats the victim's, and the loser is evicted (`arrange` returns
+    it, so a duel re-keys at most the one admitted). A probation leaf that is hit moves to
+    protected; protected's overflow (past 80% of the main area) is demoted to probation. Without
+    a duel pending, probation goes first, then protected, then the window. With the window at
+    the whole cache this is LRU exactly; with a small one, blocks used once are turned away at
+    the door and what is reused stays.
 
     Frequency is an aging count-min sketch (`FrequencySketch`: 4 rows of one-byte counters, each
     row the pool's block count rounded up to a power of two, so 4 to 8 bytes per cache block;
@@ -219,7 +225,7 @@ class Adaptive(EvictionPolicy):
     tree's sorted leaves; a duel, a demotion and a touch are O(log n) plus an O(block size)
     hash; each sampled block (a sixteenth) costs one access in each miniature, O(1) (GDSF's
     O(log n)) and, when new, one hash. Memory beside the sketch is bounded by
-    `Miniatures.max_entries`: 1.25 keys per block of the pool.
+    `Miniatures.max_entries`: about 2.2 keys per block of the pool.
     """
 
     name = "adaptive"
@@ -232,7 +238,7 @@ class Adaptive(EvictionPolicy):
         self.window_share = window
         self.adapt = adapt
         self.decide_every = decide_every
-        self.sizes = [0] * 6  # evictable leaf blocks per segment
+        self.sizes = [0] * SEGMENTS  # evictable leaf blocks per segment
         self.clock = 0
         self.block_size = self.num_blocks = 1
         self.sketch = FrequencySketch(64)
@@ -249,6 +255,7 @@ class Adaptive(EvictionPolicy):
         # at the first eviction after it becomes one.
         self._stale: dict[int, EvictableNode] = {}
         self.trajectory: deque[tuple[int, str]] = deque(maxlen=self.TRAJECTORY)
+        self._loser: EvictableNode | None = None  # the duel's loser `arrange` just chose
 
     def sized(self, num_blocks: int, block_size: int) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -302,8 +309,12 @@ class Adaptive(EvictionPolicy):
         node.priority = self._placed(node, segment, stamp, key, sampled, seen)
 
     def evicted(self, node: EvictableNode) -> None:
-        if node.priority.segment == BY_GDSF:
-            self.inflation = max(self.inflation, node.priority.stamp[0])
+        entry = node.priority
+        if entry.segment == BY_GDSF:
+            self.inflation = max(self.inflation, entry.stamp[0])
+        elif node is self._loser:  # what a partial eviction leaves of it goes on first
+            node.priority = entry._replace(segment=EVICT)
+        self._loser = None
 
     def entered(self, node: EvictableNode) -> None:
         self.sizes[node.priority.segment] += len(node.blocks)
@@ -314,15 +325,15 @@ class Adaptive(EvictionPolicy):
         self.sizes[node.priority.segment] -= len(node.blocks)
         self._stale.pop(id(node), None)
 
-    def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> None:
+    def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> EvictableNode:
         for node in list(self._stale.values()):
             rekey(node, self._rearranged)
         if self.sizes[EVICT]:
-            return  # a duel's loser, partly evicted, goes on first
+            return leaves[0]  # a duel's loser, partly evicted, goes on first
         if self.pending is not None:
             self._switch(leaves, rekey)
         if self.gdsf:
-            return  # leaves are ranked by GDSF's priority
+            return leaves[0]  # leaves are ranked by GDSF's priority
         total = sum(self.sizes)
         window_max = self.window_share * total
         protected_max = PROTECTED_SHARE * (total - window_max)
@@ -335,15 +346,16 @@ class Adaptive(EvictionPolicy):
             if victim.priority.segment not in (PROBATION, PROTECTED):
                 rekey(candidate, self._move_to(PROBATION))  # the main area is empty: come in
                 continue
-            admit = self._frequency(candidate) > self._frequency(victim)
-            if admit:
-                rekey(candidate, self._move_to(PROBATION))
-            rekey(victim if admit else candidate, self._move_to(EVICT))
-            return
-        # No duel: probation's least recent goes, else protected's, else the window's.
+            if self._frequency(candidate) > self._frequency(victim):
+                rekey(candidate, self._move_to(PROBATION))  # newest in probation: the victim stays first
+                self._loser = victim
+            else:
+                self._loser = candidate
+            return self._loser
+        return leaves[0]  # no duel: probation's least recent, else protected's, else the window's
 
     def check_leaves(self, leaves: SortedKeyList) -> None:
-        sizes = [0] * 6
+        sizes = [0] * SEGMENTS
         for node in leaves:
             sizes[node.priority.segment] += len(node.blocks)
             if (node.priority.segment == BY_GDSF) != self.gdsf and id(node) not in self._stale:
@@ -354,10 +366,11 @@ class Adaptive(EvictionPolicy):
             raise InvariantError(f"window share {self.window_share}")
         minis = self.miniatures
         if minis is not None:
-            held = sum(len(c) for c in minis.caches)
-            if any(len(c) > minis.capacity for c in minis.caches) or len(minis.counts.counts) > 1.5 * (
-                minis.counts.period
+            counts = [c.counts for c in minis.caches if isinstance(c, MiniTinyLFU)]
+            if any(len(c) > minis.capacity for c in minis.caches) or any(
+                len(k.counts) > 1.5 * k.period for k in counts
             ):
+                held = sum(len(c) for c in minis.caches) + sum(len(k.counts) for k in counts)
                 raise InvariantError(f"the miniatures outgrew their bound: {held} keys")
 
     # ------------------------------------------------------------ internals

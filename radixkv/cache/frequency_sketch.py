@@ -1,11 +1,11 @@
 """An aging count-min sketch: how often a 64-bit key was seen lately, in fixed memory.
 
-`depth` rows of `width` one-byte counters (`width` a power of two); a key's estimate is the least
+Four rows of `width` one-byte counters (`width` a power of two); a key's estimate is the least
 of its counters, so collisions only ever raise it. Counters saturate at 15, as TinyLFU's 4-bit
 ones do: frequency only has to rank a candidate against a victim, and a small ceiling lets
 aging forget quickly. After `period` increments every counter is halved (TinyLFU's reset), so
 what was hot long ago fades and the sketch follows a changing workload. Memory is
-`depth * width` bytes and never grows; an increment or estimate is O(depth).
+`4 * width` bytes and never grows; an increment or estimate is O(1).
 """
 
 from __future__ import annotations
@@ -18,38 +18,56 @@ _SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB8
 
 
 class FrequencySketch:
-    def __init__(self, width: int, period: int | None = None, depth: int = 4) -> None:
+    """Four rows, as TinyLFU keeps them, laid end to end in one `bytearray`; a key's counter in
+    row r is the top bits of its product with the row's multiplier. The rows are written out
+    by hand, not looped over: a sketch touch is on every access of the `adaptive` policy, and
+    the loop and its generators cost more than the counting."""
+
+    depth = len(_SEEDS)
+
+    def __init__(self, width: int, period: int | None = None) -> None:
         if width < 1 or width & (width - 1):
             raise ValueError(f"width must be a power of two, got {width}")
-        if not 1 <= depth <= len(_SEEDS):
-            raise ValueError(f"depth must be in [1, {len(_SEEDS)}], got {depth}")
         self.width = width
-        self.depth = depth
         self.period = period if period is not None else 10 * width
-        self._shift = 64 - width.bit_length() + 1
-        self._rows = [bytearray(width) for _ in range(depth)]
+        self._shift = 64 - width.bit_length() + 1  # 64 for width 1: every key on counter 0
+        self._counters = bytearray(self.depth * width)
         self.additions = 0  # increments since the last halving
 
     @property
     def nbytes(self) -> int:
-        return self.depth * self.width
+        return len(self._counters)
 
-    def _slots(self, key: int) -> list[int]:
-        if self.width == 1:
-            return [0] * self.depth
-        return [((key * s) & _MASK) >> self._shift for s in _SEEDS[: self.depth]]
+    def _slots(self, key: int) -> tuple[int, int, int, int]:
+        s0, s1, s2, s3 = _SEEDS
+        shift, width = self._shift, self.width
+        return (
+            ((key * s0) & _MASK) >> shift,
+            (((key * s1) & _MASK) >> shift) + width,
+            (((key * s2) & _MASK) >> shift) + 2 * width,
+            (((key * s3) & _MASK) >> shift) + 3 * width,
+        )
 
     def estimate(self, key: int) -> int:
-        return min(row[i] for row, i in zip(self._rows, self._slots(key), strict=True))
+        c = self._counters
+        a, b, d, e = self._slots(key)
+        return min(c[a], c[b], c[d], c[e])
 
     def add(self, key: int) -> None:
         """Counts one sighting of `key` (conservative update: only its smallest counters grow)."""
-        slots = self._slots(key)
-        least = min(row[i] for row, i in zip(self._rows, slots, strict=True))
+        c = self._counters
+        a, b, d, e = self._slots(key)
+        least = min(c[a], c[b], c[d], c[e])
         if least < MAX_COUNT:
-            for row, i in zip(self._rows, slots, strict=True):
-                if row[i] == least:
-                    row[i] = least + 1
+            grown = least + 1
+            if c[a] == least:
+                c[a] = grown
+            if c[b] == least:
+                c[b] = grown
+            if c[d] == least:
+                c[d] = grown
+            if c[e] == least:
+                c[e] = grown
         self.additions += 1
         if self.additions >= self.period:
             self.age()
@@ -58,12 +76,12 @@ class FrequencySketch:
         """Makes `key`'s estimate at least `count` (a prefix is used at least as often as what
         extends it); counts as no sighting."""
         count = min(count, MAX_COUNT)
-        for row, i in zip(self._rows, self._slots(key), strict=True):
-            if row[i] < count:
-                row[i] = count
+        c = self._counters
+        for i in self._slots(key):
+            if c[i] < count:
+                c[i] = count
 
     def age(self) -> None:
         """Halves every counter."""
-        for k, row in enumerate(self._rows):
-            self._rows[k] = bytearray(row.translate(_HALVE))
+        self._counters = bytearray(self._counters.translate(_HALVE))
         self.additions = 0

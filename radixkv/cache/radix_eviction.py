@@ -57,8 +57,7 @@ class RadixEviction:
         host copy yet) and the node stays in the tree."""
         freed = self._release_stale(num_blocks) if self.stale else 0
         while freed < num_blocks and self._leaves:
-            self.policy.arrange(self._leaves, self._refresh)
-            leaf = self._leaves[0]
+            leaf = self.policy.arrange(self._leaves, self._refresh)
             self._detach(leaf)
             self.policy.evicted(leaf)
             # a position's blocks of every group go together: up to (groups - 1) past num_blocks
