@@ -26,7 +26,6 @@ from radixkv.cache.miniature import (
     PROTECTED_SHARE,
     SETTINGS,
     Miniatures,
-    MiniTinyLFU,
     Setting,
     gdsf_priority,
 )
@@ -163,7 +162,7 @@ class SessionAware(EvictionPolicy):
 # the main area, the window, the window's overflow waiting for its duel (which decides its fate
 # whatever its rank), and every leaf while the policy runs as GDSF.
 EVICT, PROBATION, PROTECTED, WINDOW, CANDIDATE, BY_GDSF = range(6)
-SEGMENTS = 6
+SEGMENTS = BY_GDSF + 1
 
 
 class _Entry(NamedTuple):
@@ -364,14 +363,9 @@ class Adaptive(EvictionPolicy):
             raise InvariantError(f"adaptive segment sizes {self.sizes}, recount {sizes}")
         if not 0.0 <= self.window_share <= 1.0:
             raise InvariantError(f"window share {self.window_share}")
-        minis = self.miniatures
-        if minis is not None:
-            counts = [c.counts for c in minis.caches if isinstance(c, MiniTinyLFU)]
-            if any(len(c) > minis.capacity for c in minis.caches) or any(
-                len(k.counts) > 1.5 * k.period for k in counts
-            ):
-                held = sum(len(c) for c in minis.caches) + sum(len(k.counts) for k in counts)
-                raise InvariantError(f"the miniatures outgrew their bound: {held} keys")
+        caches = self.miniatures.caches if self.miniatures is not None else []
+        if any(len(c) > c.capacity or c.held > c.max_entries for c in caches):
+            raise InvariantError(f"the miniatures outgrew their bound: {sum(c.held for c in caches)} keys")
 
     # ------------------------------------------------------------ internals
 

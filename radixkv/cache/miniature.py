@@ -124,6 +124,14 @@ class MiniLRU:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def held(self) -> int:
+        return len(self.entries)
+
+    @property
+    def max_entries(self) -> int:
+        return self.capacity
+
 
 class MiniTinyLFU:
     """W-TinyLFU over blocks: an LRU window of `window * capacity` blocks, then a segmented LRU
@@ -132,6 +140,7 @@ class MiniTinyLFU:
     counts for itself, so that a batch's counts grow block by block as its accesses run)."""
 
     def __init__(self, capacity: int, window: float, counts: Counts) -> None:
+        self.capacity = capacity
         self.window_size = max(1, round(window * capacity))
         self.main_size = capacity - self.window_size
         self.protected_size = int(PROTECTED_SHARE * self.main_size)
@@ -178,6 +187,14 @@ class MiniTinyLFU:
     def __len__(self) -> int:
         return len(self.window) + len(self.probation) + len(self.protected)
 
+    @property
+    def held(self) -> int:
+        return len(self) + len(self.counts.counts)
+
+    @property
+    def max_entries(self) -> int:
+        return self.capacity + int(1.5 * self.counts.period)  # `Counts`' own bound
+
 
 class MiniGDSF:
     """GDSF over blocks, as `radixkv.cache.eviction.GDSF` ranks leaves: priority inflation plus
@@ -222,6 +239,14 @@ class MiniGDSF:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def held(self) -> int:
+        return len(self.entries) + len(self.heap)
+
+    @property
+    def max_entries(self) -> int:
+        return 2 * self.capacity  # the heap holds one copy per entry
 
 
 class Miniatures:
@@ -338,6 +363,4 @@ class Miniatures:
         twice, its heap beside its entries) and each W-TinyLFU miniature's counts (1.5 periods).
         With the default settings and rate, 35 keys per 16 blocks of the pool (about 2.2 a
         block), at least 2,240."""
-        per_cache = sum(2 * self.capacity if s.window is None else self.capacity for s in self.settings)
-        counted = sum(s.window is not None and s.window < 1.0 for s in self.settings)
-        return per_cache + counted * int(1.5 * self.count_period)
+        return sum(c.max_entries for c in self.caches)
