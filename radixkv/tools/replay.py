@@ -1,11 +1,12 @@
 """`radixkv replay`: a multi-turn workload through the engine, timed as users would see it.
 
-Sessions arrive at their `arrival` times (divided by `--speed`); each next turn is sent its
-`think` time after the previous reply ends, and its prompt is the whole conversation so far
-(`Conversation`), the engine's own replies included. Replies are greedy and run to `max_tokens`,
-so the runs with and without the prefix cache generate the same tokens and send the same
-prompts. Time to first token is measured from when a turn was due, so time a request spends
-waiting behind a busy engine counts, as it does for a user.
+One driver plays the conversations (`radixkv.tools.replay_driver`: arrivals and think times
+divided by `--speed`, each prompt the whole conversation so far, the engine's own replies
+included, TTFT from when a turn was due) over one of two transports: an engine in this process
+(`radixkv.tools.replay_in_process`) or a server at `--url` (`radixkv.tools.replay_http`).
+Replies are greedy and run to `max_tokens`, so the runs with and without the prefix cache
+generate the same tokens and send the same prompts. This module holds the command line and the
+report (`build_report`, written by `emit`); `--restart-after-turn` is `radixkv.tools.replay_restart`.
 
 `--compare` replays the same workload again with the prefix cache off and sets both runs side
 by side. The report's counters come from the engine's own metrics; `ideal_hit_rate` is what an
@@ -15,28 +16,23 @@ infinite cache would find in the workload's prompts (`radixkv.tools.simulate`).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
-from radixkv.errors import RequestError
-from radixkv.sampling_params import SamplingParams
 from radixkv.tools.engine_args import add_engine_arguments, engine_config
-from radixkv.tools.replay_result import RunResult, TurnRecord, progress_bar
+from radixkv.tools.replay_driver import drive
+from radixkv.tools.replay_in_process import EngineTransport
+from radixkv.tools.replay_result import RunResult
 from radixkv.tools.simulate import hit_tokens, requests_from_workload, workload_tokenizer
 from radixkv.workloads.format import Workload, read_workload
-
-if TYPE_CHECKING:
-    from radixkv.engine.sync_engine import Engine
 
 
 def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progress: bool = False) -> RunResult:
@@ -51,69 +47,9 @@ def replay(workload: Workload, config: EngineConfig, speed: float = 1.0, progres
 def replay_engine(
     engine: Any, workload: Workload, speed: float, progress: bool, convs: list[Conversation] | None = None
 ) -> RunResult:
-    """Replays `workload` on an open engine. `convs`, one per session, are the conversations its
-    turns continue (a restarted replay's second part: `radixkv.tools.replay_restart`); they are
-    grown in place, so the caller reads the replies from them. By default each session starts
-    a new one."""
-    usage = _UsageMeter()
-    sessions = workload.sessions
-    if convs is None:
-        convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in sessions]
-    due = [(s.arrival / speed + s.turns[0].think / speed, i, 0) for i, s in enumerate(sessions)]
-    heapq.heapify(due)
-    in_flight: dict[str, tuple[int, int, float]] = {}
-    records: list[TurnRecord] = []
-    failed: list[str] = []
-    bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
-    start = time.perf_counter()
-    while due or in_flight:
-        now = time.perf_counter() - start
-        while due and due[0][0] <= now:
-            t, i, k = heapq.heappop(due)
-            turn = sessions[i].turns[k]
-            params = SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-            request_id = engine.add_request(convs[i].prompt(turn.user), params, session_id=sessions[i].name)
-            in_flight[request_id] = (i, k, t)
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(due[0][0] - now, 0.05)) if due else 0.0)
-            continue
-        engine.step()
-        usage.sample(engine)
-        for request_id in [r for r in in_flight if engine.is_finished(r)]:
-            i, k, t = in_flight.pop(request_id)
-            try:
-                request = engine.take(request_id)
-            except RequestError as error:  # failed in a step: reported, and its session stops
-                failed.append(f"{sessions[i].name} turn {k}: {error}")
-                engine.close_session(sessions[i].name)
-                if bar is not None:
-                    bar.update(len(sessions[i].turns) - k)
-                continue
-            out = engine.result_of(request)
-            convs[i].add_reply(out.token_ids, out.text)
-            done_s = request.finish_time - start
-            records.append(
-                TurnRecord(
-                    sessions[i].name,
-                    k,
-                    t,
-                    request.first_token_time - start,
-                    done_s,
-                    len(out.prompt_token_ids),
-                    out.num_cached_tokens,
-                    len(out.token_ids),
-                )
-            )
-            if k + 1 < len(sessions[i].turns):
-                heapq.heappush(due, (done_s + sessions[i].turns[k + 1].think / speed, i, k + 1))
-            else:
-                engine.close_session(sessions[i].name)
-            if bar is not None:
-                bar.update(1)
-    wall = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    return RunResult(records, wall, engine.metrics(), usage.peak, usage.utilization, failed)
+    """Replays `workload` on an open engine (`radixkv.tools.replay_driver.drive`); `convs`, one
+    per session, are the conversations its turns continue, grown in place."""
+    return drive(workload, EngineTransport(engine), speed, progress, convs)
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
@@ -150,29 +86,6 @@ def ideal_hit_rate(workload: Workload, tokenizer: Any, block_size: int) -> float
     prompt = sum(len(r.prompt) for r in requests)
     blocks = sum(-(-(len(r.prompt) + len(r.output)) // block_size) for r in requests)
     return hit_tokens(requests, max(blocks, 1), block_size, "lru") / max(prompt, 1)
-
-
-class _UsageMeter:
-    """Samples KV usage after every engine step, outside the step's lock: the peak share of blocks
-    held, and the mean share of slots in held blocks that hold a token's KV (`kv_utilization`).
-    It runs between steps, after the step's tokens are stamped, so it is never counted into a
-    TTFT, and a sample is O(live tables) (`KVCacheManager.slot_usage`, kept incrementally by the
-    cache): 0.23 ms at 256 sequences over 33k blocks, where the walk over every cached block it
-    replaces took 31 ms."""
-
-    def __init__(self) -> None:
-        self.peak = 0.0
-        self._ratios: list[float] = []
-
-    def sample(self, engine: Engine) -> None:
-        self.peak = max(self.peak, 1.0 - engine.pool.num_free / engine.pool.num_blocks)
-        stored, slots = engine.kv.slot_usage(engine.live_tables())
-        if slots:
-            self._ratios.append(stored / slots)
-
-    @property
-    def utilization(self) -> float:
-        return float(np.mean(self._ratios)) if self._ratios else 0.0
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -256,14 +169,9 @@ def run(args: argparse.Namespace) -> int:
     for name, run_config in configs.items():
         runs[name] = replay(workload, run_config, args.speed, progress)
     tokenizer = workload_tokenizer(workload, args.model)
-    report = {
-        "workload": str(args.workload),
-        "model": args.model,
-        "config": {**base, "speed": args.speed},
-        "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
-        "runs": {name: summarize(result) for name, result in runs.items()},
-    }
-    emit(args, report, runs)
+    ideal = ideal_hit_rate(workload, tokenizer, args.block_size)
+    built = build_report(args, args.model, {**base, "speed": args.speed}, runs, ideal_hit_rate=ideal)
+    emit(args, built, runs)
     return 0
 
 
@@ -277,15 +185,31 @@ def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
     server = Server(args.url, args.api_key, args.endpoint, extras=args.extras)
     progress = sys.stderr.isatty() and not args.json
     runs = {"prefix_cache": replay_url(workload, server, tokenizer, args.speed, progress)}
-    report = {
-        "workload": str(args.workload),
-        "model": server.served_model(),
-        "config": {"url": args.url, "endpoint": args.endpoint, "speed": args.speed},
-        "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),
-        "runs": {name: summarize(result) for name, result in runs.items()},
-    }
-    emit(args, report, runs)
+    ideal = ideal_hit_rate(workload, tokenizer, args.block_size)
+    built = build_report(args, server.served_model(), remote_config(args), runs, ideal_hit_rate=ideal)
+    emit(args, built, runs)
     return 0
+
+
+def remote_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The report's `config` for a replay against `--url`: the server, not an engine's settings."""
+    return {"url": args.url, "endpoint": args.endpoint, "speed": args.speed}
+
+
+def build_report(
+    args: argparse.Namespace,
+    model: str | None,
+    config: dict[str, Any],
+    runs: dict[str, RunResult] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """The one place a replay's report is built (docs/cli.md, "replay --report JSON"):
+    `workload`, `model`, `config`, then `sections` in order (`ideal_hit_rate`, or a restart's
+    `restart`), then `runs`, each summarized, if given."""
+    built = {"workload": str(args.workload), "model": model, "config": config, **sections}
+    if runs is not None:
+        built["runs"] = {name: summarize(result) for name, result in runs.items()}
+    return built
 
 
 def emit(

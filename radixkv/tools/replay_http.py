@@ -1,8 +1,9 @@
-"""`radixkv replay --url`: the same replay against any OpenAI-compatible server.
+"""`radixkv replay --url`: the replay's HTTP transport (`radixkv.tools.replay_driver`), against
+any OpenAI-compatible server.
 
-Each session runs in its own thread with a plain HTTP/1.1 connection (the standard library's
-`http.client`; the timing is the server's, not the client's, so no async client is needed),
-sending its turns as the in-process replay does: due at arrival plus think time, greedy,
+Each turn is one request on a plain HTTP/1.1 connection (the standard library's `http.client`;
+the timing is the server's, not the client's, so no async client is needed), waited on in a
+thread while the driver sends the others as the in-process replay does: greedy,
 exactly `max_tokens` tokens (`ignore_eos`), streamed with `stream_options.include_usage`.
 TTFT runs from when the turn was due to the first streamed chunk with content; prompt and cached
 tokens come from `usage` (`prompt_tokens_details.cached_tokens`, 0 where a server does not say).
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
+import queue
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -49,8 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.conversation import Conversation
-from radixkv.tools.replay_result import RunResult, TurnRecord, progress_bar
-from radixkv.workloads.format import Session, Workload
+from radixkv.tools.replay_driver import Ended, History, Meters, Reply, Transport, drive
+from radixkv.tools.replay_result import RunResult
+from radixkv.workloads.format import Session, Turn, Workload
 
 SERVER_COUNTERS = {
     "num_preemptions": "radixkv_num_preemptions",
@@ -170,7 +172,9 @@ class Server:
 
 
 @dataclass(slots=True)
-class Reply:
+class _Streamed:
+    """A streamed reply as read off the wire, before its ids are settled (`_reply_ids`)."""
+
     first_token_s: float  # perf_counter time of the first chunk with content
     finish_s: float
     text: str
@@ -180,105 +184,120 @@ class Reply:
     output_tokens: int
 
 
+class HttpTransport(Transport):
+    """Turns as requests to `server`, each waited on in a thread of its own (a session has one
+    turn in flight at a time, so at most one thread per session)."""
+
+    def __init__(self, server: Server, tokenizer: Any) -> None:
+        self.server = server
+        self.tokenizer = tokenizer
+        self._ended: queue.SimpleQueue[tuple[int, _Streamed | None, str | None]] = queue.SimpleQueue()
+        self._said = False  # whether some reply's `usage` carried cached_tokens
+        self._before: dict[str, float] = {}
+
+    def begin(self, workload: Workload) -> None:
+        uses_ids = any(s.uses_ids for s in workload.sessions)
+        self.endpoint = self.server.endpoint or ("completions" if uses_ids else "chat")
+        if self.endpoint == "chat" and uses_ids:
+            raise ValueError(
+                "--endpoint chat takes text sessions; this workload has token ids: use completions"
+            )
+        self.model = self.server.served_model()
+        self.path = "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
+        self.extras = self.server.accepts_extras(self.path, self.model)
+        self._before = self.server.counters()
+        self._pool = ThreadPoolExecutor(max_workers=max(len(workload.sessions), 1))
+
+    def history(self, session: Session) -> History:
+        if self.endpoint == "completions":
+            return Conversation(None if session.uses_ids else self.tokenizer, session.system)
+        return Messages(session.system)
+
+    def submit(self, key: int, session: Session, turn: Turn, prompt: Any) -> None:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": turn.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.extras:
+            body.update(ignore_eos=True, session_id=session.name)
+        if self.endpoint == "completions":
+            body["prompt"] = prompt
+            if self.extras:
+                body.update(logprobs=0, return_tokens_as_token_ids=True)
+        else:
+            body["messages"] = prompt
+        self._pool.submit(self._send, key, body)
+
+    def _send(self, key: int, body: dict[str, Any]) -> None:
+        try:
+            self._ended.put((key, _send(self.server, self.path, body), None))
+        except (ValueError, OSError, http.client.HTTPException) as error:
+            self._ended.put((key, None, str(error)))
+
+    def wait(self, timeout: float | None) -> list[Ended]:
+        try:
+            got = [self._ended.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not self._ended.empty():
+            got.append(self._ended.get())
+        ended = []
+        for key, streamed, error in got:
+            if streamed is None:
+                ended.append(Ended(key, None, error))
+                continue
+            self._said = self._said or streamed.cached_tokens is not None
+            ids = _reply_ids(streamed, self.extras, self.tokenizer) if self.endpoint == "completions" else []
+            reply = Reply(
+                streamed.first_token_s,
+                streamed.finish_s,
+                streamed.text,
+                ids,
+                streamed.prompt_tokens,
+                streamed.cached_tokens or 0,
+                streamed.output_tokens,
+            )
+            ended.append(Ended(key, reply))
+        return ended
+
+    def close_session(self, name: str) -> None:
+        self.server.close_session(name)
+
+    def end(self) -> Meters:
+        self._pool.shutdown()
+        after = self.server.counters()
+        before = self._before
+        metrics = {key: int(after.get(key, 0) - before.get(key, 0)) for key in SERVER_COUNTERS}
+        if not self._said and "cached_tokens" in after:  # `usage` never said: the server's counter does
+            metrics["cached_tokens"] = int(after["cached_tokens"] - before.get("cached_tokens", 0))
+        return Meters(metrics)
+
+
+class Messages:
+    """A chat client's history: the messages, replies as the text the server sent."""
+
+    def __init__(self, system: str | None) -> None:
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+
+    def prompt(self, user: str) -> list[dict[str, str]]:
+        self._pending = user
+        return [*self.messages, {"role": "user", "content": user}]
+
+    def add_reply(self, token_ids: list[int], text: str = "") -> None:
+        self.messages += [{"role": "user", "content": self._pending}, {"role": "assistant", "content": text}]
+
+
 def replay_url(
     workload: Workload, server: Server, tokenizer: Any, speed: float = 1.0, progress: bool = False
 ) -> RunResult:
     """Replays `workload` against `server`; returns a `RunResult`."""
-    sessions = workload.sessions
-    uses_ids = any(s.uses_ids for s in sessions)
-    endpoint = server.endpoint or ("completions" if uses_ids else "chat")
-    if endpoint == "chat" and uses_ids:
-        raise ValueError("--endpoint chat takes text sessions; this workload has token ids: use completions")
-    model = server.served_model()
-    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-    extras = server.accepts_extras(path, model)
-    before = server.counters()
-    records: list[TurnRecord] = []
-    failed: list[str] = []  # a turn the server failed: its session stops there
-    said: list[bool] = []  # a True per reply whose `usage` carried cached_tokens
-    lock = threading.Lock()
-    bar = progress_bar(sum(len(s.turns) for s in sessions), progress)
-    start = time.perf_counter()
-
-    def run_session(session: Session) -> None:
-        conv = (
-            Conversation(None if session.uses_ids else tokenizer, session.system)
-            if endpoint == "completions"
-            else None
-        )
-        history: list[dict[str, str]] = (
-            [{"role": "system", "content": session.system}] if session.system else []
-        )
-        due = session.arrival / speed + session.turns[0].think / speed
-        for k, turn in enumerate(session.turns):
-            time.sleep(max(0.0, start + due - time.perf_counter()))
-            body: dict[str, Any] = {
-                "model": model,
-                "max_tokens": turn.max_tokens,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if extras:
-                body.update(ignore_eos=True, session_id=session.name)
-            try:
-                if conv is not None:
-                    body["prompt"] = conv.prompt(turn.user)
-                    if extras:
-                        body.update(logprobs=0, return_tokens_as_token_ids=True)
-                    reply = _send(server, "/v1/completions", body)
-                else:
-                    body["messages"] = [*history, {"role": "user", "content": turn.user}]
-                    reply = _send(server, "/v1/chat/completions", body)
-            except (ValueError, OSError, http.client.HTTPException) as error:
-                with lock:
-                    failed.append(f"{session.name} turn {k}: {error}")
-                    if bar is not None:
-                        bar.update(len(session.turns) - k)
-                return
-            if conv is not None:
-                conv.add_reply(_reply_ids(reply, extras, tokenizer), reply.text)
-            else:
-                history += [
-                    {"role": "user", "content": turn.user},
-                    {"role": "assistant", "content": reply.text},
-                ]
-            with lock:
-                if reply.cached_tokens is not None:
-                    said.append(True)
-                records.append(
-                    TurnRecord(
-                        session.name,
-                        k,
-                        due,
-                        reply.first_token_s - start,
-                        reply.finish_s - start,
-                        reply.prompt_tokens,
-                        reply.cached_tokens or 0,
-                        reply.output_tokens,
-                    )
-                )
-                if bar is not None:
-                    bar.update(1)
-            if k + 1 < len(session.turns):
-                due = reply.finish_s - start + session.turns[k + 1].think / speed
-            else:
-                server.close_session(session.name)
-
-    with ThreadPoolExecutor(max_workers=max(len(sessions), 1)) as pool:
-        for future in [pool.submit(run_session, s) for s in sessions]:
-            future.result()
-    wall = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    after = server.counters()
-    metrics = {key: int(after.get(key, 0) - before.get(key, 0)) for key in SERVER_COUNTERS}
-    if not said and "cached_tokens" in after:  # `usage` never said: the server's counter does
-        metrics["cached_tokens"] = int(after["cached_tokens"] - before.get("cached_tokens", 0))
-    return RunResult(records, wall, metrics, 0.0, 0.0, failed)
+    return drive(workload, HttpTransport(server, tokenizer), speed, progress)
 
 
-def _reply_ids(reply: Reply, extras: bool, tokenizer: Any) -> list[int]:
+def _reply_ids(reply: _Streamed, extras: bool, tokenizer: Any) -> list[int]:
     """A completions reply's token ids: as the server spelled them, or its text tokenized."""
     if reply.token_ids is not None:
         return reply.token_ids
@@ -291,7 +310,7 @@ def _reply_ids(reply: Reply, extras: bool, tokenizer: Any) -> list[int]:
     return tokenizer.encode(reply.text, add_special_tokens=False)
 
 
-def _send(server: Server, path: str, body: dict[str, Any]) -> Reply:
+def _send(server: Server, path: str, body: dict[str, Any]) -> _Streamed:
     """One streamed request, retried after a 503's Retry-After."""
     payload = json.dumps(body).encode()
     for _ in range(MAX_RETRIES_503):
@@ -326,7 +345,7 @@ def _events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield event
 
 
-def _read_stream(events: Iterator[dict[str, Any]]) -> Reply:
+def _read_stream(events: Iterator[dict[str, Any]]) -> _Streamed:
     """A streamed reply: its text, its ids if every token came spelled "token_id:N", its usage."""
     first = None
     pieces: list[str] = []
@@ -345,7 +364,7 @@ def _read_stream(events: Iterator[dict[str, Any]]) -> Reply:
             ids += [int(t.removeprefix("token_id:")) for t in tokens if spelled]
     finish = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
-    return Reply(
+    return _Streamed(
         first_token_s=first if first is not None else finish,
         finish_s=finish,
         text="".join(pieces),

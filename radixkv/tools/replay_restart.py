@@ -33,7 +33,7 @@ import numpy as np
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
 from radixkv.tools.engine_args import engine_config
-from radixkv.tools.replay import emit, replay_engine
+from radixkv.tools.replay import build_report, emit, replay_engine
 from radixkv.tools.replay_result import RunResult
 from radixkv.workloads.format import Workload
 
@@ -220,17 +220,13 @@ def run(args: argparse.Namespace, workload: Workload) -> int:
     arms = ARMS if args.compare else ("store",) if config.kv_store else ("cold",)
     progress = sys.stderr.isatty() and not args.json
     result = replay_restart(workload, config, args.restart_after_turn, arms, args.speed, progress)
-    report = {
-        "workload": str(args.workload),
-        "model": args.model,
-        "config": {
-            "block_size": config.block_size,
-            "kv_cache_memory": config.kv_cache_memory,
-            "kv_store": config.kv_store,
-            "speed": args.speed,
-        },
-        "restart": restart_section(result),
+    settings = {
+        "block_size": config.block_size,
+        "kv_cache_memory": config.kv_cache_memory,
+        "kv_store": config.kv_store,
+        "speed": args.speed,
     }
-    emit(args, report, {arm: part.result for arm, part in result.parts.items()}, format_restart)
+    built = build_report(args, args.model, settings, restart=restart_section(result))
+    emit(args, built, {arm: part.result for arm, part in result.parts.items()}, format_restart)
     return 0
 
