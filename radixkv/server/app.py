@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -151,9 +152,11 @@ def build_app(
         state.check_model(model_id)
         return model_card()
 
+    instance = uuid.uuid4().hex  # a new one each start: how a client tells that the server restarted
+
     @app.get("/version")
     async def version() -> dict:
-        return {"version": radixkv.__version__}
+        return {"version": radixkv.__version__, "instance": instance}
 
     add_tokenizer_routes(app, state, parse)
 
