@@ -41,7 +41,7 @@ NOT_RUN = {
     "docs/kv-store.md": 1,
     "docs/python-api.md": 1,
     "docs/replicas.md": 2,
-    "docs/restart.md": 3,
+    "docs/restart.md": 4,
     "docs/serving.md": 6,
     "docs/tensor-parallelism.md": 2,
 }

@@ -1,13 +1,22 @@
 """`radixkv replay --restart-after-turn`: the report's shape and sense on a tiny workload whose
-sessions share nothing, so whatever a restarted engine finds it found in the store."""
+sessions share nothing, so whatever a restarted engine finds it found in the store; in process,
+and against a real server that `--restart-command` restarts on the same port."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shlex
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
+from processes import exited
+from redis_server import free_port
+from restartable_server import start, stop
 
 from radixkv.cli import main
 from radixkv.config import EngineConfig
@@ -82,3 +91,55 @@ def test_a_resumed_conversation_sends_the_prompt_the_original_would():
     original.add_reply([4, 5])
     resumed = Conversation.resumed(None, [1, 2], [[3]], original.replies)
     assert resumed.prompt([6]) == original.prompt([6]) == [1, 2, 3, 4, 5, 6]
+
+
+def wait_healthy(url: str, log: Path, pid: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert not exited(pid), log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "cold"])
+def test_a_replay_restarts_a_server_after_turn_k_and_reports_the_later_turns(
+    model_folders, workload, tmp_path, store
+):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["--model", str(model_folders["llama"]), "--port", str(port), "--block-size", "4"]
+    args += ["--kv-cache-memory", "4MiB"]
+    if store:
+        args += ["--kv-store", f"file://{tmp_path / 'store'}"]
+    pid_file, log = tmp_path / "server.pid", tmp_path / "server.log"
+    first = start(pid_file, log, args)
+    try:
+        wait_healthy(url, log, first.pid)
+        before = httpx.get(f"{url}/version").json()["instance"]
+        restart = shlex.join([sys.executable, str(Path(__file__).parent / "restartable_server.py"),
+                              str(pid_file), str(log), *args])
+        report_path = tmp_path / "report.json"
+        argv = ["replay", str(workload), "--url", f"{url}/v1", "--speed", "4", "--restart-after-turn", "2",
+                "--restart-command", restart, "--report", str(report_path)]
+        assert main(argv) == 0
+        assert int(pid_file.read_text()) != first.pid and first.wait(timeout=60) == 0  # stopped cleanly
+        assert httpx.get(f"{url}/version").json()["instance"] != before
+        section = json.loads(report_path.read_text())["restart"]
+        arm, other = ("store", "cold") if store else ("cold", "store")
+        assert section["after_turn"] == 2 and section[other] is None and section["none"] is None
+        later = section[arm]
+        assert later["turns"] == 3 and later["failed_requests"] == 0
+        # As in process: turn 3's prompt is 66 ids, the store holds turn 2's 14 full blocks (56
+        # ids); without the store the new server has nothing, the sessions sharing no prefix.
+        expected = 56 / 66 if store else 0.0
+        assert later["hit_rate"] == later["store_hit_rate"] == pytest.approx(expected)
+    finally:
+        stop(int(pid_file.read_text()))
+        if first.poll() is None:
+            stop(first.pid)
+        first.wait(timeout=60)

@@ -60,6 +60,8 @@ SERVER_COUNTERS = {
     "num_cow_copies": "radixkv_num_cow_copies",
     "host_cache_hits": "radixkv_host_cache_hits",
     "store_cache_hits": "radixkv_store_cache_hits",
+    "kv_store_hit_blocks": "radixkv_kv_store_hit_blocks",
+    "kv_store_miss_blocks": "radixkv_kv_store_miss_blocks",
 }
 CACHED_TOKEN_COUNTERS = ("vllm:prefix_cache_hits", "radixkv_prefix_cache_hits")  # first found wins
 EXTRAS = ("auto", "on", "off")
@@ -144,6 +146,22 @@ class Server:
         finally:
             conn.close()
 
+    def instance(self) -> str | None:
+        """The server's instance id (`GET /version`'s `instance`, new at each start); None from a
+        server that does not say, or that is down."""
+        try:
+            status, body = self.get("/version")
+            return json.loads(body).get("instance") if status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError):
+            return None
+
+    def healthy(self) -> bool:
+        """Whether `GET /health` answers 200 now."""
+        try:
+            return self.get("/health")[0] == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
     def served_model(self) -> str:
         if self.model is not None:
             return self.model
@@ -188,7 +206,14 @@ class HttpTransport(Transport):
     """Turns as requests to `server`, each waited on in a thread of its own (a session has one
     turn in flight at a time, so at most one thread per session)."""
 
-    def __init__(self, server: Server, tokenizer: Any) -> None:
+    def __init__(self, server: Server, tokenizer: Any, workload: Workload) -> None:
+        """`workload` picks the endpoint when the server's is not set (token ids: completions)."""
+        uses_ids = any(s.uses_ids for s in workload.sessions)
+        self.endpoint = server.endpoint or ("completions" if uses_ids else "chat")
+        if self.endpoint == "chat" and uses_ids:
+            raise ValueError(
+                "--endpoint chat takes text sessions; this workload has token ids: use completions"
+            )
         self.server = server
         self.tokenizer = tokenizer
         self._ended: queue.SimpleQueue[tuple[int, _Streamed | None, str | None]] = queue.SimpleQueue()
@@ -196,12 +221,6 @@ class HttpTransport(Transport):
         self._before: dict[str, float] = {}
 
     def begin(self, workload: Workload) -> None:
-        uses_ids = any(s.uses_ids for s in workload.sessions)
-        self.endpoint = self.server.endpoint or ("completions" if uses_ids else "chat")
-        if self.endpoint == "chat" and uses_ids:
-            raise ValueError(
-                "--endpoint chat takes text sessions; this workload has token ids: use completions"
-            )
         self.model = self.server.served_model()
         self.path = "/v1/completions" if self.endpoint == "completions" else "/v1/chat/completions"
         self.extras = self.server.accepts_extras(self.path, self.model)
@@ -294,7 +313,7 @@ def replay_url(
     workload: Workload, server: Server, tokenizer: Any, speed: float = 1.0, progress: bool = False
 ) -> RunResult:
     """Replays `workload` against `server`; returns a `RunResult`."""
-    return drive(workload, HttpTransport(server, tokenizer), speed, progress)
+    return drive(workload, HttpTransport(server, tokenizer, workload), speed, progress)
 
 
 def _reply_ids(reply: _Streamed, extras: bool, tokenizer: Any) -> list[int]:

@@ -15,6 +15,15 @@ The arms, each measured over the turns after K only:
 - `none`: no restart: part two runs on part one's engine (no store), on the same schedule.
 Replies are greedy, so every arm must send the same prompts and get the same tokens; `same_tokens`
 says whether an arm's replies after K equal the `none` arm's token for token.
+
+Against a server (`--url`, `replay_restart_url`) the same driver plays part one over HTTP and
+then waits for the server to be restarted: by `--restart-command`, which replay runs and waits
+for, or by the user meanwhile. A restart is seen when `/health` answers 200 and `/version`
+names a new `instance` (radixkv's server draws one at each start); from a server that names
+none, when `/health` answers 200 after having failed. Part two then runs over HTTP with the
+histories part one built, in this same process. One arm runs, named by what the new server did:
+`store` if it looked any block up in a KV store (its `kv_store_*_blocks` counters moved), else
+`cold`.
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,12 +44,17 @@ import numpy as np
 from radixkv.config import EngineConfig
 from radixkv.conversation import Conversation
 from radixkv.tools.engine_args import engine_config
-from radixkv.tools.replay import build_report, emit, replay_engine
+from radixkv.tools.replay import build_report, emit, remote_config, replay_engine
+from radixkv.tools.replay_driver import drive
+from radixkv.tools.replay_http import HttpTransport, Server
 from radixkv.tools.replay_result import RunResult
+from radixkv.tools.simulate import workload_tokenizer
 from radixkv.workloads.format import Workload
 
 ARMS = ("store", "cold", "none")
-History = list[list[int]] | None  # a session's replies in part one; None: it did not finish part one
+Replies = list[list[int]] | None  # a session's replies in part one; None: it did not finish part one
+RESTART_WAIT_S = 600.0  # how long part two waits for the restarted server
+POLL_S = 0.2
 
 
 @dataclass(slots=True)
@@ -46,7 +62,7 @@ class Part:
     """One part of a cut replay as the process that ran it hands it back."""
 
     result: RunResult
-    replies: list[History]  # per session of the workload, its replies in this part
+    replies: list[Replies]  # per session of the workload, its replies in this part
     pid: int  # the process the part's engine ran in
 
 
@@ -70,10 +86,7 @@ def replay_restart(
     """Runs `arms` (see the module) over `workload` cut after turn `after_turn`. The `store` arm
     uses `config.kv_store`, or a temporary `file://` store when it is None; `cold` and `none`
     run without one."""
-    if after_turn < 1:
-        raise ValueError(f"--restart-after-turn must be >= 1, got {after_turn}")
-    if not any(len(s.turns) > after_turn for s in workload.sessions):
-        raise ValueError(f"--restart-after-turn {after_turn}: no session has more than {after_turn} turns")
+    _check_cut(workload, after_turn)
     storeless = replace(config, kv_store=None)
     parts: dict[str, Part] = {}
     first_pids: dict[str, int] = {}
@@ -94,6 +107,75 @@ def replay_restart(
     return RestartRun(after_turn, {arm: parts[arm] for arm in arms}, first_pids)
 
 
+def _check_cut(workload: Workload, after_turn: int) -> None:
+    if after_turn < 1:
+        raise ValueError(f"--restart-after-turn must be >= 1, got {after_turn}")
+    if not any(len(s.turns) > after_turn for s in workload.sessions):
+        raise ValueError(f"--restart-after-turn {after_turn}: no session has more than {after_turn} turns")
+
+
+def _head(workload: Workload, k: int) -> Workload:
+    return Workload([replace(s, turns=s.turns[:k]) for s in workload.sessions], workload.meta)
+
+
+def _tail(workload: Workload, picked: list[int], k: int) -> Workload:
+    """The sessions at the indices `picked`, from turn `k`+1 on."""
+    sessions = [workload.sessions[i] for i in picked]
+    return Workload([replace(s, turns=s.turns[k:]) for s in sessions], workload.meta)
+
+
+def replay_restart_url(
+    workload: Workload,
+    server: Server,
+    tokenizer: Any,
+    after_turn: int,
+    restart_command: str | None = None,
+    speed: float = 1.0,
+    progress: bool = False,
+    wait_s: float = RESTART_WAIT_S,
+) -> RestartRun:
+    """Part one against `server`, its restart (see the module), part two against the new one:
+    a `RestartRun` with one arm, `store` or `cold`."""
+    _check_cut(workload, after_turn)
+    head = _head(workload, after_turn)
+    first = HttpTransport(server, tokenizer, workload)
+    histories = [first.history(s) for s in workload.sessions]
+    before = server.instance()
+    head_result = drive(head, first, speed, progress, histories)
+    done = {r.session for r in head_result.records if r.turn == after_turn - 1}
+    if restart_command is not None:
+        subprocess.run(restart_command, shell=True, check=True)
+    elif progress or sys.stderr.isatty():
+        print(f"turns 1..{after_turn} done: restart the server at {server.url} now", file=sys.stderr)
+    wait_for_restart(server, before, wait_s)
+    picked = [i for i, s in enumerate(workload.sessions) if s.name in done and len(s.turns) > after_turn]
+    tail = _tail(workload, picked, after_turn)
+    again = HttpTransport(server, tokenizer, workload)
+    second = drive(tail, again, speed, progress, [histories[i] for i in picked])
+    looked_up = second.metrics.get("kv_store_hit_blocks", 0) + second.metrics.get("kv_store_miss_blocks", 0)
+    arm = "store" if looked_up else "cold"
+    part = Part(second, [None] * len(workload.sessions), os.getpid())
+    return RestartRun(after_turn, {arm: part}, {arm: os.getpid()})
+
+
+def wait_for_restart(server: Server, before: str | None, wait_s: float = RESTART_WAIT_S) -> None:
+    """Returns once `server` is a new instance and healthy (see the module); raises after
+    `wait_s` seconds without one."""
+    seen_down = False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        healthy = server.healthy()
+        if healthy and before is not None:
+            now = server.instance()
+            if now is not None and now != before:
+                return
+        elif healthy and seen_down:
+            return
+        seen_down = seen_down or not healthy
+        time.sleep(POLL_S)
+    raise TimeoutError(f"the server at {server.url} did not come back restarted within {wait_s:.0f} s")
+
+
 def _first_part(config: EngineConfig, workload: Workload, k: int, speed: float, progress: bool) -> Part:
     from radixkv.engine.sync_engine import Engine  # here, so that `radixkv --help` does not load torch
 
@@ -112,7 +194,7 @@ def _both_parts(
 
 
 def _second_part(
-    config: EngineConfig, workload: Workload, k: int, histories: list[History], speed: float, progress: bool
+    config: EngineConfig, workload: Workload, k: int, histories: list[Replies], speed: float, progress: bool
 ) -> Part:
     """Part two on an engine of its own: what the new process runs."""
     from radixkv.engine.sync_engine import Engine
@@ -122,7 +204,7 @@ def _second_part(
 
 
 def _play_first(engine: Any, workload: Workload, k: int, speed: float, progress: bool) -> Part:
-    head = Workload([replace(s, turns=s.turns[:k]) for s in workload.sessions], workload.meta)
+    head = _head(workload, k)
     convs = [Conversation(None if s.uses_ids else engine.tokenizer, s.system) for s in head.sessions]
     result = replay_engine(engine, head, speed, progress, convs)
     finished = zip(head.sessions, convs, strict=True)
@@ -131,7 +213,7 @@ def _play_first(engine: Any, workload: Workload, k: int, speed: float, progress:
 
 
 def _play_second(
-    engine: Any, workload: Workload, k: int, histories: list[History], speed: float, progress: bool
+    engine: Any, workload: Workload, k: int, histories: list[Replies], speed: float, progress: bool
 ) -> Part:
     """Turns `k`+1 on of each session that finished part one and has more."""
     picked = [i for i, s in enumerate(workload.sessions) if histories[i] is not None and len(s.turns) > k]
@@ -142,9 +224,9 @@ def _play_second(
         )
         for i, s in zip(picked, sessions, strict=True)
     ]
-    tail = Workload([replace(s, turns=s.turns[k:]) for s in sessions], workload.meta)
+    tail = _tail(workload, picked, k)
     result = replay_engine(engine, tail, speed, progress, convs)
-    replies: list[History] = [None] * len(workload.sessions)
+    replies: list[Replies] = [None] * len(workload.sessions)
     for i, conv in zip(picked, convs, strict=True):
         replies[i] = conv.replies[k:]
     return Part(result, replies, os.getpid())
@@ -213,7 +295,9 @@ def run(args: argparse.Namespace, workload: Workload) -> int:
     """`radixkv replay WORKLOAD --restart-after-turn K [--kv-store URL] [--compare]`: without
     `--compare`, the one restart the options name (over the store if given, else cold)."""
     if args.url is not None:
-        raise ValueError("--restart-after-turn replays in process; against --url, see docs/restart.md")
+        return _run_remote(args, workload)
+    if args.restart_command is not None:
+        raise ValueError("--restart-command restarts a server: it needs --url")
     if args.compare_host_tier:
         raise ValueError("--restart-after-turn does not take --compare-host-tier")
     config = engine_config(args)
@@ -230,3 +314,18 @@ def run(args: argparse.Namespace, workload: Workload) -> int:
     emit(args, built, {arm: part.result for arm, part in result.parts.items()}, format_restart)
     return 0
 
+
+
+def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
+    """`--restart-after-turn K --url URL [--restart-command CMD]`: one arm, the server's restart."""
+    if args.compare:
+        raise ValueError("--restart-after-turn with --url runs the server's one restart: no --compare")
+    server = Server(args.url, args.api_key, args.endpoint, extras=args.extras)
+    tokenizer = workload_tokenizer(workload, args.model)
+    progress = sys.stderr.isatty() and not args.json
+    result = replay_restart_url(
+        workload, server, tokenizer, args.restart_after_turn, args.restart_command, args.speed, progress
+    )
+    built = build_report(args, server.served_model(), remote_config(args), restart=restart_section(result))
+    emit(args, built, {arm: part.result for arm, part in result.parts.items()}, format_restart)
+    return 0
