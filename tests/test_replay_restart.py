@@ -4,12 +4,17 @@ and against a real server that `--restart-command` restarts on the same port."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import http.server
 import json
 import os
 import random
 import shlex
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +25,8 @@ from restartable_server import start, stop
 
 from radixkv.cli import main
 from radixkv.config import EngineConfig
-from radixkv.tools.replay_restart import replay_restart, restart_section
+from radixkv.tools.replay_http import Server
+from radixkv.tools.replay_restart import replay_restart, restart_section, wait_for_restart
 from radixkv.workloads.format import Session, Turn, read_workload, write_workload
 
 ARM_FIELDS = {"turns", "ttft_p50_s", "ttft_p90_s", "hit_rate"}
@@ -143,3 +149,57 @@ def test_a_replay_restarts_a_server_after_turn_k_and_reports_the_later_turns(
         if first.poll() is None:
             stop(first.pid)
         first.wait(timeout=60)
+
+
+class _Versioned(http.server.BaseHTTPRequestHandler):
+    """/health answers 200; /version names the server's `instance` when it has one."""
+
+    def do_GET(self) -> None:
+        instance = self.server.instance  # type: ignore[attr-defined]
+        body = {"status": "ok"} if self.path == "/health" else {"version": "0", **instance}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _versioned(port: int, instance: dict) -> Iterator[None]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Versioned)
+    httpd.instance = instance  # type: ignore[attr-defined]
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize("names", [True, False], ids=["new-instance", "down-then-up"])
+def test_the_wait_for_a_restart_ends_only_once_a_new_server_answers(names):
+    port = free_port()
+    server = Server(f"http://127.0.0.1:{port}/v1")
+    old, new = ({"instance": "a"}, {"instance": "b"}) if names else ({}, {})
+    waited = concurrent.futures.ThreadPoolExecutor(1)
+    with _versioned(port, old):
+        before = server.instance()
+        assert before == ("a" if names else None)
+        waiting = waited.submit(wait_for_restart, server, before, 60.0)
+        time.sleep(1.0)
+        assert not waiting.done()  # the old server still answers: no restart yet
+    time.sleep(0.5)  # down
+    with _versioned(port, new):
+        waiting.result(timeout=60)
+    waited.shutdown()
+
+
+def test_a_wait_for_a_restart_that_never_comes_gives_up():
+    port = free_port()
+    with _versioned(port, {"instance": "a"}), pytest.raises(TimeoutError, match="restarted"):
+        wait_for_restart(Server(f"http://127.0.0.1:{port}/v1"), "a", wait_s=1.0)
