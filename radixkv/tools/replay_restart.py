@@ -145,7 +145,7 @@ def replay_restart_url(
     done = {r.session for r in head_result.records if r.turn == after_turn - 1}
     if restart_command is not None:
         subprocess.run(restart_command, shell=True, check=True)
-    elif progress or sys.stderr.isatty():
+    elif sys.stderr.isatty():  # a prompt to act, not progress: shown with --json too
         print(f"turns 1..{after_turn} done: restart the server at {server.url} now", file=sys.stderr)
     wait_for_restart(server, before, wait_s)
     picked = [i for i, s in enumerate(workload.sessions) if s.name in done and len(s.turns) > after_turn]
