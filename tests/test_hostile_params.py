@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from radixkv import AsyncEngine, BeamSearchParams, Engine, EngineConfig, RequestError, SamplingParams
 from radixkv.sampling.sampler import make_generator, sample
 from radixkv.sampling_params import GREEDY_BELOW_TEMPERATURE, MAX_LENGTH_PENALTY
-from radixkv.scheduler import scheduler as scheduler_module
+from radixkv.scheduler import step_sampling
 from radixkv.scheduler.beam_search import BeamSearch
 
 VOCAB = 259
@@ -130,14 +130,14 @@ def alone(model_folders) -> list[list[int]]:
 
 
 def test_a_request_whose_sampling_raises_fails_alone_and_its_step_goes_on(model_folders, alone, monkeypatch):
-    real = scheduler_module.sample
+    real = step_sampling.sample
 
     def poisoned(logits, params, generators, *rest):
         if any(p.seed == POISON_SEED for p in params):
             raise Fault("this request's parameters broke the sampler")
         return real(logits, params, generators, *rest)
 
-    monkeypatch.setattr(scheduler_module, "sample", poisoned)
+    monkeypatch.setattr(step_sampling, "sample", poisoned)
     engine = Engine.from_pretrained(model_folders["llama"], **KW)
     bad = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6, seed=POISON_SEED, n=2))
     good = [engine.add_request(p, GREEDY) for p in NEIGHBOURS]

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-import radixkv.scheduler.scheduler as scheduler_module
+import radixkv.scheduler.step_sampling as step_sampling
 from radixkv import Engine
 from radixkv.errors import RequestError
 from radixkv.model.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -139,7 +139,7 @@ def test_engine_samples_follow_the_grammar_and_finish_when_it_is_complete(small_
 def test_a_token_its_grammar_rejects_fails_that_request_alone(model_folders, monkeypatch):
     """Fault injection: the sampler hands a structured row a token its mask forbids. That request
     fails; its neighbour in the same steps finishes as it would alone, and nothing leaks."""
-    real = scheduler_module.sample
+    real = step_sampling.sample
 
     def poisoned(logits, params, generators, *rest):
         tokens = real(logits, params, generators, *rest)
@@ -148,7 +148,7 @@ def test_a_token_its_grammar_rejects_fails_that_request_alone(model_folders, mon
                 tokens[i] = ord("z")  # the grammar takes digits only
         return tokens
 
-    monkeypatch.setattr(scheduler_module, "sample", poisoned)
+    monkeypatch.setattr(step_sampling, "sample", poisoned)
     engine = Engine.from_pretrained(model_folders["llama"], block_size=4, kv_cache_memory="8MiB")
     greedy = SamplingParams(max_tokens=6, temperature=0)
     alone = engine.generate("neighbour", greedy)[0].token_ids

@@ -10,9 +10,10 @@ so the cache can be simulated or embedded on its own.
 """
 
 from radixkv.cache.block_pool import BlockPool, OutOfBlocks, check_block_size, parse_bytes
+from radixkv.cache.block_table import BlockTable
 from radixkv.cache.eviction import POLICIES, EvictionPolicy, make_policy
 from radixkv.cache.host_tier import HostTier, TransferKind, TransferQueue
-from radixkv.cache.kv_cache_manager import NO_DATA, BlockMover, BlockTable, KVCacheManager
+from radixkv.cache.kv_cache_manager import NO_DATA, BlockMover, KVCacheManager
 from radixkv.cache.kv_groups import KVGroups, kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_tree import MatchResult, RadixNode

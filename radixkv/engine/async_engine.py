@@ -35,7 +35,8 @@ from typing import Any
 
 from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
-from radixkv.engine.core import EngineCore, Prompt
+from radixkv.engine.core import EngineCore
+from radixkv.engine.input_processor import Prompt
 from radixkv.engine.process.core_client import CoreClient
 from radixkv.engine.process.core_process import step_watching_stalls
 from radixkv.errors import EngineDeadError, RequestError

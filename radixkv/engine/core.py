@@ -20,6 +20,10 @@ the same way and then re-raised.
 A request ends in exactly one place, with status FINISHED: done ("stop"/"length"), aborted
 ("abort") or failed (`Request.error`). `on_update` hears of every request a step advanced or
 ended, in the stepping thread, under the step lock.
+
+`EngineCore` is one object made of one room per concern: requests in, and the aborts, stops
+and session closes queued between steps, in `intake`; what a caller reads back in `results`;
+this module builds the core and holds the step, its failures, the control methods and metrics.
 """
 
 from __future__ import annotations
@@ -39,12 +43,12 @@ from radixkv.cache.host_tier import HostTier
 from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
-from radixkv.engine.input_processor import InputProcessor, Params, Prompt
+from radixkv.engine.input_processor import InputProcessor
+from radixkv.engine.intake import RequestIntake
 from radixkv.engine.metrics import EngineMetrics
-from radixkv.engine.output_processor import beam_output, result_of, sample_output, stream_deltas
 from radixkv.engine.overlap import OverlapStepper
+from radixkv.engine.results import RequestResults
 from radixkv.errors import RequestError
 from radixkv.kvstore import KeySpace, KVStore, open_backend
 from radixkv.metrics import prometheus_text
@@ -54,15 +58,14 @@ from radixkv.model.parallel_runner import ParallelRunner
 from radixkv.model.runner import ModelRunner, kv_block_bytes
 from radixkv.model.stored_kv import model_fingerprint
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
-from radixkv.outputs import Beam, RequestOutput, StreamDelta
-from radixkv.scheduler.request import Request, Sequence, Status
+from radixkv.scheduler.request import Request, Status
 from radixkv.scheduler.scheduler import ScheduledSeq, Scheduler
 from radixkv.structured.grammar import GrammarCompiler
 
 STORE_QUEUE_BYTES = 256 * 2**20
 
 
-class EngineCore:
+class EngineCore(RequestIntake, RequestResults):
     STORE_POLL_S = 0.02  # an idle step's wait for the store, between looks at the inbox
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -191,95 +194,6 @@ class EngineCore:
         """An engine for a local Hugging Face folder; keyword arguments are `EngineConfig` fields."""
         return cls(EngineConfig(model=str(path), **kwargs))
 
-    # ------------------------------------------------------------- submission
-
-    def make_request(
-        self,
-        prompt: Prompt,
-        params: Params | None,
-        request_id: str | None = None,
-        *,
-        call: str = "add_request",
-        session_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """A validated request, not yet queued. `call` names the API: `generate` and `stream`
-        take SamplingParams only, `beam_search` BeamSearchParams only (TypeError otherwise).
-        Bad input raises ValueError naming the field, before any work. `session_id` makes it
-        a turn of that chat session: what it caches ranks with the session under the `session`
-        eviction policy until `close_session`. `cache_salt` gives it a cache namespace: it shares
-        cached blocks only with requests of the same salt (`radixkv.cache.salt`); without one,
-        with every other unsalted request."""
-        request = self.inputs.make_request(
-            prompt, params, request_id, call=call, session_id=session_id, cache_salt=cache_salt,
-            in_use=self._requests,
-        )
-        spec = getattr(request.params, "structured_outputs", None)
-        if spec is not None:  # the matcher lives where the sampler runs: in the core
-            request.seqs[0].grammar = self.grammars.matcher(spec)
-        return request
-
-    def submit(self, requests: list[Request]) -> list[str]:
-        """Queues requests for the next step; returns their ids. Never waits for a step."""
-        with self._submit_lock:
-            taken = next((r.request_id for r in requests if r.request_id in self._requests), None)
-            if taken is not None:
-                raise ValueError(f"request_id {taken!r} is already in use")
-            for request in requests:
-                if self.store is not None and len(request.prompt_ids) > 1:  # keyed as the cache keys it
-                    keys = salted(request.prompt_ids[:-1], salt_offset(request.cache_salt))
-                    request.store_lookup = self.store.lookup(keys)
-                self._requests[request.request_id] = request
-                self._inbox.append(request)
-        if self.on_submit is not None:
-            self.on_submit()
-        return [r.request_id for r in requests]
-
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: Params | None = None,
-        *,
-        request_id: str | None = None,
-        session_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
-        """Validates and queues a request; returns its id."""
-        request = self.make_request(prompt, params, request_id, session_id=session_id, cache_salt=cache_salt)
-        return self.submit([request])[0]
-
-    def close_session(self, session_id: str, *, wait: bool = True) -> None:
-        """The chat session has no more turns: under the `session` policy its cached blocks lose
-        their rank over one-off requests' (a later turn with the same id revives it, and so does
-        the admission of one of its turns still waiting). With `wait` (the default) that is done
-        when this returns; without, before the next step schedules anything, as `abort` does."""
-        self._queue(self._closed_sessions, session_id, wait)
-
-    def abort(self, request_id: str, *, wait: bool = True) -> None:
-        """Ends a request wherever it is (queued, prefilling, decoding, a beam group, the forks of
-        n > 1): its computed KV is cached, its tables and locks released, its unfinished
-        samples end with finish_reason "abort". With `wait` (the default) that is done when this
-        returns; without, the next step does it. Unknown or finished requests are ignored."""
-        self._queue(self._aborts, request_id, wait)
-
-    def stop_sample(self, request_id: str, index: int, *, wait: bool = True) -> None:
-        """A stop string found outside the core (the front end of a core in its own process,
-        which detokenizes) ended sample `index` of a sampling request: the sample finishes with
-        finish_reason "stop" at its next token, and the request at once, its computed KV cached,
-        once every sample still running has been stopped so. `wait` as in `abort`. Unknown or
-        finished requests and samples are ignored."""
-        self._queue(self._stops, (request_id, index), wait)
-
-    def _queue(self, queue: deque, item: Any, wait: bool) -> None:
-        """Queues an abort, a stop or a session close for the next drain: at once, under the step
-        lock, with `wait`; else the next step does it (`on_submit` wakes an idle loop)."""
-        queue.append(item)
-        if wait:
-            with self._lock:
-                self._notify(self._drain())
-        elif self.on_submit is not None:
-            self.on_submit()
-
     # ---------------------------------------------------------------- stepping
 
     def step(self) -> list[Request]:
@@ -364,55 +278,6 @@ class EngineCore:
         with self._lock:
             self._notify(self._fail(list(self.scheduler.waiting), cause))
 
-    # ----------------------------------------------------------------- results
-
-    def is_finished(self, request_id: str) -> bool:
-        return self._requests[request_id].status is Status.FINISHED
-
-    def output(self, request_id: str) -> RequestOutput:
-        """The output of a finished sampling request (and forgets the request). Raises the
-        request's RequestError if a step failed it."""
-        return sample_output(self.take(request_id))
-
-    def beam_output(self, request_id: str) -> list[Beam]:
-        """The beams of a finished beam-search request, best first (and forgets the request).
-        An aborted search returns no beams."""
-        return beam_output(self.take(request_id), self.decode)
-
-    def result(self, request_id: str) -> RequestOutput | list[Beam]:
-        """`output` or `beam_output`, as the request is."""
-        return self.result_of(self.take(request_id))
-
-    def take(self, request_id: str) -> Request:
-        """Forgets a finished request and returns it, for `result_of`; raises its RequestError if
-        a step failed it."""
-        request = self._requests.pop(request_id)
-        if request.error is not None:
-            raise request.error
-        return request
-
-    def result_of(self, request: Request) -> RequestOutput | list[Beam]:
-        """The output or beams of a finished request already taken (`take`). Needs no step lock:
-        no step touches a finished request, so the texts can be made in the reader's thread."""
-        return result_of(request, self.decode)
-
-    def forget(self, request_id: str) -> None:
-        """Drops a request's record, aborting it first if it is still going."""
-        request = self._requests.get(request_id)
-        if request is not None and request.status is not Status.FINISHED:
-            self.abort(request_id)
-        self._requests.pop(request_id, None)
-
-    def stream_deltas(
-        self, request: Request, seq: Sequence, start: int, end: int, finished: bool
-    ) -> list[StreamDelta]:
-        """See `radixkv.engine.output_processor.stream_deltas`."""
-        return stream_deltas(request, seq, start, end, finished)
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of generated ids, special tokens left out ("" for a model without a tokenizer)."""
-        return self.inputs.decode(ids)
-
     # ---------------------------------------------------------------- metrics
 
     def metrics(self) -> dict:
@@ -434,43 +299,6 @@ class EngineCore:
         return [s.table for r in self.scheduler.running for s in r.seqs if s.table is not None]
 
     # ---------------------------------------------------------------- internals
-
-    def _drain(self) -> list[Request]:
-        """Applies queued submissions, then queued aborts and stops, then sessions closed;
-        returns the requests they ended."""
-        while self._inbox:
-            self.scheduler.add(self._inbox.popleft())
-        ended = []
-        while self._aborts:
-            request = self._requests.get(self._aborts.popleft())
-            if request is not None and request.status is not Status.FINISHED:
-                ended.append(self._end_now(request, "abort"))
-        while self._stops:
-            request_id, index = self._stops.popleft()
-            request = self._requests.get(request_id)
-            if request is None or request.status is Status.FINISHED or request.is_beam_search:
-                continue
-            for seq in request.seqs:
-                seq.stop_requested |= seq.index == index
-            if request.seqs and all(seq.stop_requested for seq in request.seqs):
-                ended.append(self._end_now(request, "stop"))
-                self.stats.observe([request])  # finished, as a step's own are (an abort is not)
-        while self._closed_sessions:
-            self.kv.close_session(self._closed_sessions.popleft())
-        return ended
-
-    def _end_now(self, request: Request, reason: str) -> Request:
-        """Ends a request wherever it is: its computed KV cached, its tables and locks released,
-        its unfinished samples ending with `reason` (an ended beam search keeps no beams)."""
-        for seq in request.seqs:  # all but the slots of a step in flight are computed
-            if seq.table is not None:
-                self.kv.cache_finished(seq.table, seq.tokens, seq.num_computed)
-        self.scheduler.remove(request)
-        if not request.is_beam_search:
-            for seq in request.seqs:
-                request.finish_seq(seq, reason)
-        self._end(request)
-        return request
 
     def _step_requests(self, batch: list[ScheduledSeq]) -> list[Request]:
         """The requests a failed step touched: its batch's, or, when scheduling itself failed,

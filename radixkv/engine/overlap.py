@@ -57,7 +57,8 @@ import torch
 from radixkv.model.step_worker import StepWorker
 from radixkv.sampling.sampler import greedy
 from radixkv.scheduler.request import PLACEHOLDER, Request, Sequence, Status
-from radixkv.scheduler.scheduler import SampledStep, ScheduledSeq
+from radixkv.scheduler.scheduled_seq import ScheduledSeq
+from radixkv.scheduler.step_sampling import SampledStep
 
 RESOLVED_IF_LOST = 0
 """The input token of a placeholder whose sequence's step failed: any vocabulary id serves, the

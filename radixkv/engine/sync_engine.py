@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from radixkv.chat_session import ChatSession
-from radixkv.engine.core import EngineCore, Prompt
+from radixkv.engine.core import EngineCore
+from radixkv.engine.input_processor import Prompt
 from radixkv.outputs import Beam, RequestOutput, StreamDelta
 from radixkv.sampling_params import BeamSearchParams, SamplingParams
 from radixkv.scheduler.request import Status
