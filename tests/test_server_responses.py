@@ -148,6 +148,8 @@ def test_a_tool_round_in_input_renders_as_the_chat_template_renders_it(model_fol
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"temperature": -1}, "temperature"),
+        # Refused by the chat body `input` becomes (its json_schema name is at most 64 characters).
+        ({"text": {"format": {"type": "json_schema", "name": "n" * 65, "schema": PARAMS}}}, "text"),
     ],
 )
 def test_refused_fields_are_400s_naming_them(model_folders, extra, param):

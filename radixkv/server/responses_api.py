@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from radixkv.server import handlers
-from radixkv.server.errors import APIError
+from radixkv.server.errors import APIError, from_validation
 from radixkv.server.protocol import ChatCompletionRequest, FunctionDef, Int64
 from radixkv.server.state import ServerState
 
@@ -148,7 +148,9 @@ class ResponsesRequest(_Part):
                 raise APIError.bad_request(name, message)
 
     def as_chat(self) -> ChatCompletionRequest:
-        """The chat completion this request asks for (see the module docstring)."""
+        """The chat completion this request asks for (see the module docstring). A value the
+        chat body refuses (a `text.format.name` over 64 characters, say) is a 400 naming the
+        chat field, which `create` renames to this endpoint's."""
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
@@ -193,7 +195,10 @@ class ResponsesRequest(_Part):
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
-        return ChatCompletionRequest.model_validate(body)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise from_validation(e) from e
 
 
 # Chat parameters this endpoint spells otherwise, for the 400s the chat path raises.
