@@ -41,6 +41,7 @@ from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
 from radixkv.config import EngineConfig
+from radixkv.dashboard.cache_view import cache_view
 from radixkv.engine.input_processor import InputProcessor, Params, Prompt
 from radixkv.engine.metrics import EngineMetrics
 from radixkv.engine.output_processor import beam_output, result_of, sample_output, stream_deltas
@@ -422,6 +423,11 @@ class EngineCore:
     def metrics_text(self) -> str:
         """The metrics in Prometheus' text exposition format."""
         return prometheus_text(self.metrics())
+
+    def dashboard(self, namespaces: list[int] | None = None) -> dict:
+        """What `/dashboard` shows, built between steps (`radixkv.dashboard.cache_view`)."""
+        with self._lock:
+            return cache_view(self, namespaces)
 
     def check_invariants(self) -> None:
         """Every block, reference and lock accounted for, and every live table held by a running
