@@ -1,7 +1,10 @@
 """The tree snapshot against a naive model: the cached sequences' distinct prefixes."""
 
+import asyncio
 import json
 import random
+
+import pytest
 
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.radix_cache import RadixCache
@@ -68,3 +71,29 @@ def test_namespace_filter_keeps_only_the_callers_namespace():
     assert only_b["nodes"][0]["subtree_tokens"] == 8
     assert list(only_b["namespaces"].values()) == [2]
     assert tree_snapshot(cache)["nodes"][0]["subtree_tokens"] == 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_engine_dashboard_shows_a_shared_prefix_as_one_node(engine_process):
+    """Over the core process and in-process alike: three prompts sharing 40 tokens leave one node
+    of the shared whole blocks (edges start on block boundaries), under which each prompt's rest."""
+    from radixkv import AsyncEngine, EngineConfig, SamplingParams
+
+    async def run() -> dict:
+        config = EngineConfig(model="tiny-llama", kv_cache_memory="16MiB")
+        engine = AsyncEngine(config, engine_process=engine_process)
+        try:
+            shared = list(range(5, 45))
+            prompts = [shared + [100 + i, 7, 8] for i in range(3)]
+            await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=2)) for p in prompts))
+            return engine.dashboard(None)
+        finally:
+            await engine.shutdown()
+
+    view = asyncio.run(run())
+    B = view["block_size"]
+    nodes = view["tree"]["nodes"]
+    top = [n for n in nodes if n["parent"] == nodes[0]["id"]]
+    assert [n["tokens"] for n in top] == [40 // B * B]
+    assert sum(n["blocks"] for n in nodes) == view["blocks"]["device"]["cached"]
