@@ -191,6 +191,10 @@ class AsyncEngine:
     def metrics_text(self) -> str:
         return self.core.metrics_text()
 
+    def dashboard(self, namespaces: list[int] | None = None) -> dict:
+        """The dashboard's view of the core (`EngineCore.dashboard`); blocks for the step in flight."""
+        return self.core.dashboard(namespaces)
+
     def check_invariants(self) -> None:
         """As `Engine.check_invariants`; blocks the caller for at most the step in flight."""
         self.core.check_invariants()

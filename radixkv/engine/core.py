@@ -44,6 +44,7 @@ from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.config import EngineConfig
+from radixkv.dashboard.cache_view import cache_view
 from radixkv.engine.input_processor import InputProcessor
 from radixkv.engine.intake import RequestIntake
 from radixkv.engine.metrics import EngineMetrics
@@ -287,6 +288,11 @@ class EngineCore(RequestIntake, RequestResults):
     def metrics_text(self) -> str:
         """The metrics in Prometheus' text exposition format."""
         return prometheus_text(self.metrics())
+
+    def dashboard(self, namespaces: list[int] | None = None) -> dict:
+        """What `/dashboard` shows, built between steps (`radixkv.dashboard.cache_view`)."""
+        with self._lock:
+            return cache_view(self, namespaces)
 
     def check_invariants(self) -> None:
         """Every block, reference and lock accounted for, and every live table held by a running

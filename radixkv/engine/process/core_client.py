@@ -248,10 +248,13 @@ class CoreClient:
     def check_invariants(self) -> None:
         self._call("check_invariants")
 
-    def _call(self, method: str) -> Any:
+    def dashboard(self, namespaces: list[int] | None = None) -> dict:
+        return self._call("dashboard", namespaces)
+
+    def _call(self, method: str, *args: Any) -> Any:
         with self._control_lock:
             self._check_alive()
-            self._control.send(self._encoder.encode(ControlCall(method)))
+            self._control.send(self._encoder.encode(ControlCall(method, args)))
             deadline = time.monotonic() + CONTROL_TIMEOUT_S
             while not self._control.poll(int(PARENT_CHECK_S * 1000)):
                 self._check_alive()

@@ -53,7 +53,7 @@ from radixkv.scheduler.request import Request, Status
 
 PARENT_CHECK_S = 0.2
 IDLE_STEPS_BEFORE_STALL = 3  # steps in a row that run nothing while requests wait
-CONTROL_METHODS = ("metrics", "metrics_text", "check_invariants")
+CONTROL_METHODS = ("metrics", "metrics_text", "check_invariants", "dashboard")
 
 
 def step_watching_stalls(core: Any, idle: int) -> int:
@@ -235,7 +235,7 @@ class CoreProcess:
         try:
             if call.method not in CONTROL_METHODS:
                 raise ValueError(f"unknown control call {call.method!r}")
-            reply.value = msgspec.Raw(self.encoder.encode(getattr(self.core, call.method)()))
+            reply.value = msgspec.Raw(self.encoder.encode(getattr(self.core, call.method)(*call.args)))
         except Exception as exc:
             reply.error, reply.error_type = str(exc), type(exc).__name__
         self.control.send(self.encoder.encode(reply))

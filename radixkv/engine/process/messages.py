@@ -126,7 +126,8 @@ FromCore = StepOutput | Ready | Fatal
 
 
 class ControlCall(msgspec.Struct, array_like=True):
-    method: str  # "metrics", "metrics_text", "check_invariants"
+    method: str  # one of `core_process.CONTROL_METHODS`
+    args: tuple = ()
 
 
 class ControlReply(msgspec.Struct, array_like=True):

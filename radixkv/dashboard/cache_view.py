@@ -1,0 +1,44 @@
+"""What the dashboard asks of an engine core in one call: its metrics, its blocks by tier and
+state, the eviction policy's state, and the tree snapshot (`radixkv.dashboard.snapshot`).
+
+Built where the cache lives (the core process, or the engine's own thread) between two steps,
+under the step lock, so it reads a tree no step is editing. Its cost is bounded by the snapshot's
+bounds; the server's `SnapshotCache` asks at most a few times a second however many pages poll.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixkv.dashboard.snapshot import tree_snapshot
+
+
+def cache_view(core: Any, namespaces: list[int] | None) -> dict[str, Any]:
+    """The dict `EngineCore.dashboard` returns; `namespaces` as in `tree_snapshot`."""
+    pool, cache = core.pool, core.kv.cache
+    metrics = core.metrics()
+    cached = cache.evictable_size if cache is not None else 0
+    free = pool.num_free
+    blocks = {"device": {"running": pool.num_blocks - free - cached, "cached": cached, "free": free}}
+    host = cache.host if cache is not None else None
+    if host is not None:
+        held = host.pool.num_blocks - host.pool.num_free
+        blocks["host"] = {"running": 0, "cached": held, "free": host.pool.num_free}
+    if core.store is not None:
+        blocks["store"] = {"running": 0, "cached": metrics.get("kv_store_written_blocks", 0), "free": 0}
+    return {
+        "metrics": metrics,
+        "blocks": blocks,
+        "block_size": pool.block_size,
+        "policy": policy_state(cache.policy) if cache is not None else None,
+        "tree": tree_snapshot(cache, namespaces) if cache is not None else None,
+    }
+
+
+def policy_state(policy: Any) -> dict[str, Any]:
+    """The eviction policy's name, and for `adaptive` its window share and current setting."""
+    state: dict[str, Any] = {"name": getattr(policy, "name", type(policy).__name__.lower())}
+    if hasattr(policy, "window_share"):
+        state["window_share"] = policy.window_share
+        state["setting"] = policy.setting.name
+    return state
