@@ -11,7 +11,12 @@ if TYPE_CHECKING:
     from radixkv.engine.sync_engine import Engine
 
 ENGINE_BENCH_CASES = (
-    "decode_256", "mixed_prefill", "waiting_64", "waiting_256", "waiting_512", "overlap_decode_256",
+    "decode_256",
+    "mixed_prefill",
+    "waiting_64",
+    "waiting_256",
+    "waiting_512",
+    "overlap_decode_256",
 )
 """The cases of `radixkv bench engine` (radixkv.tools.bench_engine.CASES), named here so that
 parsing the command line does not load torch."""
@@ -174,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", action="store_true", help="print only a JSON object")
     engine.add_argument("--steps", type=_positive_int, default=10, help="timed steps per round (3 rounds)")
     engine.add_argument(
-        "--clock", choices=("cpu", "wall"), default="cpu",
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
         help="the stepping thread's CPU time (default; a shared machine's other processes do not count) "
         "or wall time",
     )

@@ -30,6 +30,8 @@ def sample_seed(seed: int, k: int) -> int:
     """The seed of sample `k` of a seeded request with `n` samples: `seed + k`, wrapped to uint64
     as a generator keeps it, so that the last seeds of the range have samples too."""
     return (seed + k) % 2**64
+
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this is greedy, as in vLLM: dividing logits by 1e-45 overflows them to
 infinities, and a softmax of infinities is NaN."""

@@ -55,8 +55,13 @@ def test_weight_bytes_read_by_a_decode_step_skip_an_untied_embedding_table():
 def test_the_measurement_runs_end_to_end_at_a_tiny_size():
     plan = Plan(prefill=((2, 40),), decode_batches=(3,), decode_context=48, repeats=1)
     config = EngineConfig(
-        model="tiny-llama", device="cpu", kv_cache_memory="2MiB", max_model_len=64, max_num_seqs=4,
-        max_num_batched_tokens=80, enable_prefix_cache=False,
+        model="tiny-llama",
+        device="cpu",
+        kv_cache_memory="2MiB",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=80,
+        enable_prefix_cache=False,
     )
     result = measure_forwards(config, plan, peak_flops=1e12, peak_bytes_per_s=1e11)
     (prefill,), (decode,) = result["prefill"], result["decode"]

@@ -5,8 +5,11 @@ from radixkv.dashboard.history import History
 
 def view(queries: int, hits: int) -> dict:
     device = {"running": 1, "cached": 2, "free": 3}
-    return {"metrics": {"prefix_cache_queries": queries, "prefix_cache_hits": hits},
-            "blocks": {"device": device}, "policy": {"name": "adaptive", "window_share": 0.01}}
+    return {
+        "metrics": {"prefix_cache_queries": queries, "prefix_cache_hits": hits},
+        "blocks": {"device": device},
+        "policy": {"name": "adaptive", "window_share": 0.01},
+    }
 
 
 def test_history_takes_hit_rate_over_each_interval_and_keeps_only_the_last_samples():

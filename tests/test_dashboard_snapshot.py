@@ -26,7 +26,8 @@ def distinct_block_tokens(sequences: list[list[int]], block_size: int) -> int:
     B = block_size
     chunks = {(tuple(s[:i]), tuple(s[i : i + B])) for s in sequences for i in range(0, len(s), B)}
     return sum(
-        len(c) for p, c in chunks
+        len(c)
+        for p, c in chunks
         if not any(q == p and len(d) > len(c) and d[: len(c)] == c for q, d in chunks)
     )
 

@@ -85,7 +85,9 @@ def test_damaged_entries_are_recomputed_never_used(model_folders, reference_mode
 
 @pytest.mark.slow
 def test_replicas_sharing_a_redis_store_find_each_others_blocks(
-    model_folders, reference_models, redis_url  # noqa: F811
+    model_folders,
+    reference_models,
+    redis_url,  # noqa: F811
 ):
     batch = prompts(2, seed=3)
     with engine(model_folders, redis_url) as a, engine(model_folders, redis_url) as b:
@@ -215,7 +217,8 @@ def routed_hit_rate(
 
 @pytest.mark.slow
 def test_round_robin_over_a_shared_redis_store_hits_what_cache_aware_routing_hits(
-    model_folders, redis_url  # noqa: F811
+    model_folders,
+    redis_url,  # noqa: F811
 ):
     """The issue's bar in miniature, end to end with two engines and a real Redis: behind round
     robin each turn lands on the replica that did not serve the previous one, and the store

@@ -101,7 +101,9 @@ def test_outputs_equal_the_in_process_engine(model_folders):
             assert [b.score for b in beams] == pytest.approx([b.score for b in want_beams])
             stopped = await engine.generate(prompts[0], stop)
             assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (
-                want_stop.token_ids, want_stop.text, "stop"
+                want_stop.token_ids,
+                want_stop.text,
+                "stop",
             )
             chat = engine.chat(system=[1, 2, 3])
             first = await chat.send([4, 5, 6], GREEDY)
@@ -145,15 +147,19 @@ def test_stop_strings_are_found_by_the_front_end_and_the_core_stops_the_sample(m
     every = dataclasses.replace(free, max_tokens=120, stop=stop_strings_in(texts, 3))
     greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     greedy = dataclasses.replace(greedy, stop=stop_strings_in([sync.generate([[2, 7]], GREEDY)[0].text], 2))
-    want_some, want_every, want_greedy = (sync.generate([p], params)[0] for p, params in (
-        ([3, 1, 4], some), ([3, 1, 4], every), ([2, 7], greedy)))
+    want_some, want_every, want_greedy = (
+        sync.generate([p], params)[0]
+        for p, params in (([3, 1, 4], some), ([3, 1, 4], every), ([2, 7], greedy))
+    )
     want_stream = [(d.token_id, d.text, d.finish_reason) for d in sync.stream([2, 7], greedy)]
 
     def samples(out) -> list[tuple]:
         """Each sample's tokens, text, finish reason and logprob records' tokens (their values
         depend on what the cache held, which differs between the two engines' runs)."""
-        return [(s.token_ids, s.text, s.finish_reason, [r.token_id for r in s.logprobs or ()])
-                for s in out.samples]
+        return [
+            (s.token_ids, s.text, s.finish_reason, [r.token_id for r in s.logprobs or ()])
+            for s in out.samples
+        ]
 
     async def main() -> None:
         engine = AsyncEngine(config, core_setup=forbid_decoding)
@@ -162,8 +168,11 @@ def test_stop_strings_are_found_by_the_front_end_and_the_core_stops_the_sample(m
             assert [s.finish_reason for s in want_some.samples][:2] == ["stop", "stop"]
             for params, want in ((every, want_every), (greedy, want_greedy)):
                 steps = engine.core.num_steps
-                assert samples(await engine.generate([3, 1, 4] if params is every else [2, 7], params,
-                                                     request_id="again")) == samples(want)
+                assert samples(
+                    await engine.generate(
+                        [3, 1, 4] if params is every else [2, 7], params, request_id="again"
+                    )
+                ) == samples(want)
                 assert {s.finish_reason for s in want.samples} == {"stop"}
                 assert engine.core.num_steps - steps < 40  # of 120: the core stopped every sample
             stream = [(d.token_id, d.text, d.finish_reason) async for d in engine.stream([2, 7], greedy)]

@@ -150,7 +150,6 @@ def block_belady_hits(trace: list[list[int]], capacity: int, hash_block: int) ->
     return hits
 
 
-
 @pytest.mark.parametrize("seed", range(5))
 def test_optimal_equals_an_independent_block_level_belady_and_beats_every_online_policy(seed):
     rng = random.Random(seed)

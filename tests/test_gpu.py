@@ -88,7 +88,9 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(
         torch.tensor([prompt], device=CUDA),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
-        do_sample=False, max_new_tokens=max_tokens, pad_token_id=model.config.pad_token_id,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        pad_token_id=model.config.pad_token_id,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -97,7 +99,11 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
 def test_engine_greedy_matches_transformers_on_cuda(model_folders, reference_models, enforce_eager):
     reference = cuda_reference(reference_models, "llama")
     engine = Engine.from_pretrained(
-        model_folders["llama"], dtype="float32", device="cuda", block_size=16, kv_cache_memory="64MiB",
+        model_folders["llama"],
+        dtype="float32",
+        device="cuda",
+        block_size=16,
+        kv_cache_memory="64MiB",
         enforce_eager=enforce_eager,
     )
     rng = random.Random(0)
@@ -111,7 +117,6 @@ def test_engine_greedy_matches_transformers_on_cuda(model_folders, reference_mod
     engine.check_invariants()
 
 
-
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_kv_groups_on_cuda_match_transformers_with_graphs_on_and_off(enforce_eager):
     """Gemma 3's six KV groups (`radixkv.cache.kv_groups`) on CUDA, decode graphs replaying every
@@ -122,7 +127,11 @@ def test_kv_groups_on_cuda_match_transformers_with_graphs_on_and_off(enforce_eag
     reference = load_model("tiny-gemma3", dtype="float32", device="cuda").model
     engine = Engine(
         EngineConfig(
-            model="tiny-gemma3", dtype="float32", device="cuda", block_size=16, kv_cache_memory="16MiB",
+            model="tiny-gemma3",
+            dtype="float32",
+            device="cuda",
+            block_size=16,
+            kv_cache_memory="16MiB",
             enforce_eager=enforce_eager,
         )
     )
@@ -143,6 +152,7 @@ def test_kv_groups_on_cuda_match_transformers_with_graphs_on_and_off(enforce_eag
         assert not engine.runner.graphs.failed, "a decode graph failed to capture; the engine ran eagerly"
     engine.check_invariants()
 
+
 def test_beam_search_on_cuda_matches_transformers(model_folders, reference_models):
     reference = cuda_reference(reference_models, "qwen2")
     engine = Engine.from_pretrained(
@@ -155,8 +165,13 @@ def test_beam_search_on_cuda_matches_transformers(model_folders, reference_model
         out = reference.generate(
             torch.tensor([prompt], device=CUDA),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=CUDA),
-            num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True, do_sample=False,
-            max_new_tokens=12, pad_token_id=reference.config.pad_token_id,
+            num_beams=4,
+            num_return_sequences=4,
+            length_penalty=1.0,
+            early_stopping=True,
+            do_sample=False,
+            max_new_tokens=12,
+            pad_token_id=reference.config.pad_token_id,
         )
         pad = reference.config.pad_token_id
         expected = []
@@ -230,8 +245,13 @@ def test_host_tier_loads_on_cuda_match_transformers(model_folders, reference_mod
 
     reference = cuda_reference(reference_models, "llama")
     engine = Engine.from_pretrained(
-        model_folders["llama"], dtype="float32", device="cuda", block_size=4, kv_cache_memory="48KiB",
-        host_kv_cache_memory="256KiB", enforce_eager=enforce_eager,
+        model_folders["llama"],
+        dtype="float32",
+        device="cuda",
+        block_size=4,
+        kv_cache_memory="48KiB",
+        host_kv_cache_memory="256KiB",
+        enforce_eager=enforce_eager,
     )
     engine.step_hooks.append(Engine.check_invariants)
     turns = chat_turns(engine, num_chats=6, num_turns=3)
@@ -255,8 +275,13 @@ def test_swap_preemption_on_cuda_finishes_loads_before_a_graph_replay(model_fold
 
     reference = cuda_reference(reference_models, "llama")
     engine = Engine.from_pretrained(
-        model_folders["llama"], dtype="float32", device="cuda", block_size=4, kv_cache_memory="104KiB",
-        host_kv_cache_memory="512KiB", preemption_mode="swap",
+        model_folders["llama"],
+        dtype="float32",
+        device="cuda",
+        block_size=4,
+        kv_cache_memory="104KiB",
+        host_kv_cache_memory="512KiB",
+        preemption_mode="swap",
     )
     batch = prompts(6, seed=2, low=20, high=40)
     outs = engine.generate(batch, SamplingParams(max_tokens=24, temperature=0.0))

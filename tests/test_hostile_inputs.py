@@ -55,7 +55,10 @@ def test_refusals_quote_a_bounded_excerpt_and_name_the_field(model_folders):
 def test_a_stop_string_at_the_length_limit_is_served_and_one_past_it_is_a_400(model_folders):
     async def test(client, engine):
         at_limit = await client.completions.create(
-            model="tiny", prompt="a", max_tokens=3, stop=["z" * MAX_STOP_CHARS],
+            model="tiny",
+            prompt="a",
+            max_tokens=3,
+            stop=["z" * MAX_STOP_CHARS],
             extra_body={"ignore_eos": True},
         )
         with pytest.raises(openai.BadRequestError) as past:
@@ -118,7 +121,10 @@ def test_schemas_without_a_finite_value_are_400s_naming_the_field_that_asked(mod
             )
         refused.append(e.value.body)
         served = await client.chat.completions.create(  # recursive, but `[]` ends it
-            model="tiny", messages=ASK, max_tokens=60, seed=3,
+            model="tiny",
+            messages=ASK,
+            max_tokens=60,
+            seed=3,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": LIST}},
         )
         return refused, served

@@ -32,7 +32,12 @@ TINY_AND_HUGE = [1e-45, 1e-300, 5e-324, 9.99e-6, 1e-5, 1e10, 1e308, -1e308, -0.0
 INTS = st.one_of(st.integers(), st.sampled_from(BROKE_A_STEP))
 FLOATS = st.one_of(st.floats(), st.sampled_from(TINY_AND_HUGE), st.integers(-5, 5))
 SAMPLING_FIELDS = {
-    "max_tokens": INTS, "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "seed": INTS, "n": INTS,
+    "max_tokens": INTS,
+    "temperature": FLOATS,
+    "top_p": FLOATS,
+    "top_k": INTS,
+    "seed": INTS,
+    "n": INTS,
 }
 
 
@@ -279,13 +284,24 @@ JSON_EDGES = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
 )
 BODY_FIELDS = [
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "stop_token_ids",
-    "length_penalty", "best_of", "stream",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "logprobs",
+    "stop_token_ids",
+    "length_penalty",
+    "best_of",
+    "stream",
 ]
 
 
 @settings(
-    max_examples=60, deadline=None, derandomize=True,
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(field=st.sampled_from(BODY_FIELDS), value=JSON_EDGES, beams=st.booleans())

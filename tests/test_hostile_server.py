@@ -166,9 +166,17 @@ def test_a_client_gone_mid_upload_is_one_info_line(server, caplog):
         sent.append(message)
 
     scope = {
-        "type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/completions", "raw_path": b"",
-        "root_path": "", "scheme": "http", "query_string": b"", "server": ("radixkv", 80),
-        "client": ("127.0.0.1", 1), "headers": [(b"content-type", b"application/json")],
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"",
+        "root_path": "",
+        "scheme": "http",
+        "query_string": b"",
+        "server": ("radixkv", 80),
+        "client": ("127.0.0.1", 1),
+        "headers": [(b"content-type", b"application/json")],
     }
     with caplog.at_level(logging.INFO):
         server.run(server.app(scope, receive, send))

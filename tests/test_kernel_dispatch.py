@@ -41,7 +41,13 @@ def test_launches_planned_once_serve_every_layer():
     query_start_loc = torch.tensor([0, 1, 6], dtype=torch.int32)
     q = torch.randn(6, 4, 16, generator=generator)
     launches = plan_paged_attention(
-        query_start_loc, seq_lens, block_table, num_tokens=6, num_heads=4, num_kv_heads=2, head_dim=16,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        num_tokens=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
         block_size=4,
     )
     for k_cache, v_cache in (caches[:2], caches[2:]):
@@ -74,8 +80,12 @@ def test_an_interpreted_launch_maps_no_stack_chunk_per_op_from_any_caller_depth(
     k_cache, v_cache = (torch.randn(12, 4, 2, 16, generator=generator) for _ in range(2))
     block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
     args = (
-        torch.randn(6, 4, 16, generator=generator), k_cache, v_cache, block_table,
-        torch.tensor([13, 6], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32),
+        torch.randn(6, 4, 16, generator=generator),
+        k_cache,
+        v_cache,
+        block_table,
+        torch.tensor([13, 6], dtype=torch.int32),
+        torch.tensor([0, 1, 6], dtype=torch.int32),
     )
     expected = paged_attention_ref(*args)
     paged_attention(*args)  # the first launch in a process starts the thread

@@ -171,8 +171,10 @@ def test_a_restarted_engine_served_from_the_store_gives_the_tokens_computed_fres
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, int8, fp8_e4m3"),
-     ({"kv_cache_dtype": "fp8_e4m3", "device": "cpu"}, "fp8_e4m3' needs a CUDA device of compute")],
+    [
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, int8, fp8_e4m3"),
+        ({"kv_cache_dtype": "fp8_e4m3", "device": "cpu"}, "fp8_e4m3' needs a CUDA device of compute"),
+    ],
 )
 def test_bad_kv_cache_dtype_is_a_clear_error(fields, message):
     with pytest.raises(ValueError, match=message):

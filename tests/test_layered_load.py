@@ -201,8 +201,11 @@ class ReplayStandIn:
     def run(self, step) -> torch.Tensor:
         self.replays += 1
         output = self.runner.model(
-            input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
-            logits_to_keep=step.logit_rows, paged_batch=self.runner.paged_batch(step),
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            use_cache=False,
+            logits_to_keep=step.logit_rows,
+            paged_batch=self.runner.paged_batch(step),
         )
         return output.logits[0].float()
 

@@ -131,12 +131,16 @@ def test_engine_greedy_with_penalties_equals_transformers_generate(small_llama_e
     prompt = list(b"abcabcabc")
     params = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.4, min_tokens=10)
     (out,) = small_llama_engine.generate(prompt, params)
-    want = reference_models["llama"].generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=12,
-        repetition_penalty=1.4,
-        min_new_tokens=10,
-    )[0, len(prompt) :].tolist()
+    want = (
+        reference_models["llama"]
+        .generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            repetition_penalty=1.4,
+            min_new_tokens=10,
+        )[0, len(prompt) :]
+        .tolist()
+    )
     assert out.token_ids == want

@@ -41,8 +41,12 @@ def engine_for(name: str, num_blocks: int | None = None, block_size: int = 4, **
     block = kv_block_bytes(layers, block_size, loaded.num_kv_heads, loaded.head_dim, torch.float32)
     engine = Engine(
         EngineConfig(
-            model=name, dtype="float32", device="cpu", block_size=block_size,
-            kv_cache_memory=block * (num_blocks or 1024), **config,
+            model=name,
+            dtype="float32",
+            device="cpu",
+            block_size=block_size,
+            kv_cache_memory=block * (num_blocks or 1024),
+            **config,
         )
     )
     engine.step_hooks.append(Engine.check_invariants)

@@ -63,8 +63,15 @@ LOGPROB_TOL = 1e-4
 def outcome(result) -> object:
     if isinstance(result, RequestOutput):
         return [
-            (s.token_ids, s.text, s.finish_reason, [(r.token_id, pytest.approx(r.logprob, abs=LOGPROB_TOL),
-                                                     [t for t, _ in r.top]) for r in s.logprobs or []])
+            (
+                s.token_ids,
+                s.text,
+                s.finish_reason,
+                [
+                    (r.token_id, pytest.approx(r.logprob, abs=LOGPROB_TOL), [t for t, _ in r.top])
+                    for r in s.logprobs or []
+                ],
+            )
             for s in result.samples
         ]
     return [(b.token_ids, b.finish_reason) for b in result]

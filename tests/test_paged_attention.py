@@ -239,8 +239,13 @@ def poison_outside_window(batch: Batch, window: int) -> Batch:
 
 @pytest.mark.parametrize(
     ("window", "softcap", "block_size", "dtype"),
-    [(8, None, 8, torch.float32), (1, None, 4, torch.float32), (40, 5.0, 8, torch.float16),
-     (None, 2.0, 16, torch.float32), (20, 1.0, 1, torch.bfloat16)],
+    [
+        (8, None, 8, torch.float32),
+        (1, None, 4, torch.float32),
+        (40, 5.0, 8, torch.float16),
+        (None, 2.0, 16, torch.float32),
+        (20, 1.0, 1, torch.bfloat16),
+    ],
 )
 def test_sliding_window_and_softcap_match_reference(
     window: int | None, softcap: float | None, block_size: int, dtype: torch.dtype

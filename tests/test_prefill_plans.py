@@ -86,8 +86,15 @@ def test_gpu_mixed_batch_plans_decodes_and_prefills_apart(monkeypatch):
     monkeypatch.setattr(launch_plan, "_sm_count", lambda device: 132)
     monkeypatch.setattr(ATTENTION, "interpreted", lambda device: False)
     launches = plan_paged_attention(
-        batch.query_start_loc, batch.seq_lens, batch.block_table, num_tokens=batch.q.shape[0],
-        num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, itemsize=4,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        num_tokens=batch.q.shape[0],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        itemsize=4,
     )
     monkeypatch.undo()
     (decode, _, _), (prefill, _, _) = launches.launches

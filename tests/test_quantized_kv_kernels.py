@@ -49,8 +49,11 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize(
     ("x_dtype", "scale_dtype", "block_size", "head_dim"),
-    [(torch.float32, torch.float16, 16, 64), (torch.bfloat16, torch.float32, 1, 80),
-     (torch.float16, torch.float16, 8, 48)],
+    [
+        (torch.float32, torch.float16, 16, 64),
+        (torch.bfloat16, torch.float32, 1, 80),
+        (torch.float16, torch.float16, 8, 48),
+    ],
 )
 def test_store_kv_stores_the_reference_quantization_and_skips_minus_one(
     x_dtype: torch.dtype, scale_dtype: torch.dtype, block_size: int, head_dim: int
@@ -81,8 +84,11 @@ def test_quantization_error_is_small_but_not_zero() -> None:
 
 @pytest.mark.parametrize(
     ("block_size", "gqa", "head_dim", "dtype", "scale_dtype"),
-    [(16, 4, 64, torch.float32, torch.float16), (8, 3, 48, torch.float16, torch.float32),
-     (1, 1, 32, torch.bfloat16, torch.float16)],
+    [
+        (16, 4, 64, torch.float32, torch.float16),
+        (8, 3, 48, torch.float16, torch.float32),
+        (1, 1, 32, torch.bfloat16, torch.float16),
+    ],
 )
 def test_mixed_ragged_batch_over_int8_cache_matches_reference(
     block_size: int, gqa: int, head_dim: int, dtype: torch.dtype, scale_dtype: torch.dtype
@@ -106,8 +112,18 @@ def test_every_plan_shape_over_int8_cache_matches_reference(plan: AttentionPlan)
     quant = Quantized(batch)
     out = torch.empty_like(batch.q)
     num_tiles = max_tiles(batch.q.shape[0], batch.seq_lens.shape[0], plan.block_q)
-    launch_attention(plan, None, num_tiles, *quant.batch, 1 / 32**0.5, out, 24, 3.0,
-                     k_scale=quant.k_scale, v_scale=quant.v_scale)
+    launch_attention(
+        plan,
+        None,
+        num_tiles,
+        *quant.batch,
+        1 / 32**0.5,
+        out,
+        24,
+        3.0,
+        k_scale=quant.k_scale,
+        v_scale=quant.v_scale,
+    )
     assert_close(out, quant.reference(window=24, softcap=3.0))
 
 
@@ -118,8 +134,12 @@ def test_store_then_attend_matches_reference_of_the_stored_cache() -> None:
     generator = torch.Generator().manual_seed(4)
     k, v = torch.randn(2, 6, 2, 32, generator=generator).to(DEVICE)
     table = batch.block_table.long() * 8
-    slots = torch.cat([table[0].repeat_interleave(8)[20:25] + torch.arange(20, 25) % 8,
-                       table[1].repeat_interleave(8)[9:10] + 1])
+    slots = torch.cat(
+        [
+            table[0].repeat_interleave(8)[20:25] + torch.arange(20, 25) % 8,
+            table[1].repeat_interleave(8)[9:10] + 1,
+        ]
+    )
     store_kv(k, v, batch.k_cache, batch.v_cache, slots, quant.k_scale, quant.v_scale)
     out = paged_attention(*batch, k_scale=quant.k_scale, v_scale=quant.v_scale)
     assert_close(out, quant.reference())
@@ -152,8 +172,15 @@ def test_wrong_quantized_arguments_raise_value_error_naming_them() -> None:
             paged_attention(*b, **scales)
     k = torch.randn(2, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="k must be"):
-        store_kv(k.to(torch.int32), k, batch.k_cache, batch.v_cache, torch.arange(2, device=DEVICE),
-                 k_scale, v_scale)
+        store_kv(
+            k.to(torch.int32),
+            k,
+            batch.k_cache,
+            batch.v_cache,
+            torch.arange(2, device=DEVICE),
+            k_scale,
+            v_scale,
+        )
 
 
 @pytest.mark.skipif(

@@ -189,4 +189,3 @@ def test_the_common_length_is_the_first_mismatch_at_every_position_offset_and_li
             m = min(n - i, n - j, limit if limit is not None else n)
             want = next((k for k in range(m) if a[i + k] != b[j + k]), m)
             assert _common_len(a, i, b, j, block_size, limit) == want, (mismatch, i, j, limit)
-

@@ -53,9 +53,21 @@ def workload(tmp_path):
 def test_a_restart_over_the_store_keeps_what_a_cold_restart_loses(model_folders, workload, tmp_path):
     report_path = tmp_path / "report.json"
     args = [
-        "replay", str(workload), "--model", str(model_folders["llama"]), "--block-size", "4",
-        "--kv-cache-memory", "4MiB", "--speed", "4", "--restart-after-turn", "2", "--compare",
-        "--report", str(report_path),
+        "replay",
+        str(workload),
+        "--model",
+        str(model_folders["llama"]),
+        "--block-size",
+        "4",
+        "--kv-cache-memory",
+        "4MiB",
+        "--speed",
+        "4",
+        "--restart-after-turn",
+        "2",
+        "--compare",
+        "--report",
+        str(report_path),
     ]
     assert main(args) == 0
     section = json.loads(report_path.read_text())["restart"]
@@ -127,11 +139,30 @@ def test_a_replay_restarts_a_server_after_turn_k_and_reports_the_later_turns(
     try:
         wait_healthy(url, log, first.pid)
         before = httpx.get(f"{url}/version").json()["instance"]
-        restart = shlex.join([sys.executable, str(Path(__file__).parent / "restartable_server.py"),
-                              str(pid_file), str(log), *args])
+        restart = shlex.join(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "restartable_server.py"),
+                str(pid_file),
+                str(log),
+                *args,
+            ]
+        )
         report_path = tmp_path / "report.json"
-        argv = ["replay", str(workload), "--url", f"{url}/v1", "--speed", "4", "--restart-after-turn", "2",
-                "--restart-command", restart, "--report", str(report_path)]
+        argv = [
+            "replay",
+            str(workload),
+            "--url",
+            f"{url}/v1",
+            "--speed",
+            "4",
+            "--restart-after-turn",
+            "2",
+            "--restart-command",
+            restart,
+            "--report",
+            str(report_path),
+        ]
         assert main(argv) == 0
         assert int(pid_file.read_text()) != first.pid and first.wait(timeout=60) == 0  # stopped cleanly
         assert httpx.get(f"{url}/version").json()["instance"] != before

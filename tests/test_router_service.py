@@ -223,8 +223,11 @@ def test_routing_keys_each_api_key_s_namespace_under_per_key_isolation(per_key):
     hits = []
     for key in ("key-a", "key-b", "key-a"):
         before = sum(s.estimated_hit_tokens for s in router.stats)
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1},
-                        headers={"authorization": f"Bearer {key}"})
+        r = client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1},
+            headers={"authorization": f"Bearer {key}"},
+        )
         assert r.status_code == 200
         hits.append(sum(s.estimated_hit_tokens for s in router.stats) - before)
     whole = len(prompt.encode())

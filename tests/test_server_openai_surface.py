@@ -182,7 +182,10 @@ def test_top_logprobs_keep_every_byte_token_apart(model_folders):
             temperature=0,
         )
         ids = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=2, logprobs=5,
+            model="tiny",
+            prompt=prompt,
+            max_tokens=2,
+            logprobs=5,
             extra_body={"return_tokens_as_token_ids": True},
         )
         return completion, chat, ids
@@ -218,7 +221,10 @@ def test_logit_bias_of_100_forces_a_token_and_penalties_are_honoured(model_folde
         )
         plain = await client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
         penalized = await client.completions.create(
-            model="tiny", prompt="Hello", max_tokens=8, temperature=0,
+            model="tiny",
+            prompt="Hello",
+            max_tokens=8,
+            temperature=0,
             extra_body={"repetition_penalty": 5.0, "min_tokens": 8, "min_p": 0.1},
             frequency_penalty=2.0,
         )

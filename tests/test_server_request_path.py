@@ -117,8 +117,10 @@ def walk_of(folder: Path, endpoint: str, body: dict[str, Any]) -> list[str]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://radixkv") as http:
             client = openai.AsyncOpenAI(base_url="http://radixkv/v1", api_key="x", http_client=http)
-            create = client.chat.completions.create if endpoint == "chat/completions" else (
-                client.completions.create
+            create = (
+                client.chat.completions.create
+                if endpoint == "chat/completions"
+                else (client.completions.create)
             )
             threading.setprofile(start)
             sys.setprofile(start)

@@ -23,7 +23,10 @@ PARAMS = WEATHER["function"]["parameters"]
 def greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=258,
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=258,
             pad_token_id=256,
         )
     return out[0, len(ids) :].tolist()

@@ -176,10 +176,18 @@ def test_a_stream_whose_client_left_before_it_began_releases_its_admission(folde
     body["session_id"] = "left-early"
     messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
     }
 
     async def receive() -> dict:

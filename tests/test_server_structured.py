@@ -264,8 +264,7 @@ def test_tool_history_renders_through_the_template(model_folders):
     text = bytes(t for t in ids if t < 256).decode()
     assert '<tool_call>\n{"name": "now", "arguments": {"zone": "UTC"}}\n</tool_call>' in text
     assert (
-        "<tool_response>\n12:00\n</tool_response>" in text
-        and '"name": "now"' in text.split("<tools>\n")[1]
+        "<tool_response>\n12:00\n</tool_response>" in text and '"name": "now"' in text.split("<tools>\n")[1]
     )
 
 

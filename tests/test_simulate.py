@@ -33,7 +33,6 @@ def block_lru_hits(requests: list[list[int]], capacity: int, hash_block: int) ->
     return hits
 
 
-
 @pytest.mark.parametrize("seed", range(6))
 def test_lru_hits_equal_an_independent_block_level_lru(seed):
     rng = random.Random(seed)

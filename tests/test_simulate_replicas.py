@@ -130,7 +130,13 @@ def test_cache_aware_routing_keeps_conversations_together():
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the shared Mooncake trace is not present")
 def test_mooncake_cache_aware_matches_one_big_cache_with_even_load(capsys):
     args = [
-        "simulate", str(MOONCAKE), "--hash-block", "16", "--block-size", "16", "--json",
+        "simulate",
+        str(MOONCAKE),
+        "--hash-block",
+        "16",
+        "--block-size",
+        "16",
+        "--json",
     ]
     assert main([*args, "--capacity-blocks", "16000"]) == 0
     single = json.loads(capsys.readouterr().out)

@@ -34,8 +34,12 @@ def gemma3_engine(num_blocks: int, **config: object) -> Engine:
     block = kv_block_bytes(groups.layers_per_group, B, loaded.num_kv_heads, loaded.head_dim, torch.float32)
     engine = Engine(
         EngineConfig(
-            model="tiny-gemma3", dtype="float32", device="cpu", block_size=B,
-            kv_cache_memory=block * num_blocks, **config,
+            model="tiny-gemma3",
+            dtype="float32",
+            device="cpu",
+            block_size=B,
+            kv_cache_memory=block * num_blocks,
+            **config,
         )
     )
     engine.step_hooks.append(Engine.check_invariants)
@@ -127,6 +131,7 @@ def test_samples_past_the_window_with_prefix_hits_copy_on_write_and_preemption_e
 
 # --------------------------------------------- what moves whole blocks keeps one group
 
+
 def one_group_engine(num_blocks: int, host_blocks: int = 0, **config: object) -> Engine:
     """tiny-gemma3 with a host tier or a KV store: one KV group, so `num_blocks` blocks of all six
     layers each (`host_blocks` of them on the host), invariants checked every step."""
@@ -134,8 +139,13 @@ def one_group_engine(num_blocks: int, host_blocks: int = 0, **config: object) ->
     block = kv_block_bytes(loaded.num_layers, B, loaded.num_kv_heads, loaded.head_dim, torch.float32)
     engine = Engine(
         EngineConfig(
-            model="tiny-gemma3", dtype="float32", device="cpu", block_size=B,
-            kv_cache_memory=block * num_blocks, host_kv_cache_memory=block * host_blocks, **config,
+            model="tiny-gemma3",
+            dtype="float32",
+            device="cpu",
+            block_size=B,
+            kv_cache_memory=block * num_blocks,
+            host_kv_cache_memory=block * host_blocks,
+            **config,
         )
     )
     engine.step_hooks.append(Engine.check_invariants)
@@ -200,7 +210,11 @@ def test_tensor_parallel_ranks_keep_one_group_and_equal_transformers() -> None:
     prompts = [shared + tokens(36, rng) for _ in range(2)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     config = EngineConfig(
-        model="tiny-gemma2", dtype="float32", device="cpu", block_size=B, kv_cache_memory="1MiB",
+        model="tiny-gemma2",
+        dtype="float32",
+        device="cpu",
+        block_size=B,
+        kv_cache_memory="1MiB",
         tensor_parallel_size=2,
     )
     with Engine(config) as engine:

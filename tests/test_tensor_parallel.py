@@ -50,7 +50,10 @@ def engine_pair(
     kw = {"block_size": BLOCK, "device": "cpu", **kw}
     one = Engine.from_pretrained(folder, kv_cache_memory=kv_bytes, host_kv_cache_memory=host_bytes, **kw)
     two = Engine.from_pretrained(
-        folder, kv_cache_memory=rank_kv_bytes, host_kv_cache_memory=host_bytes // 2, tensor_parallel_size=2,
+        folder,
+        kv_cache_memory=rank_kv_bytes,
+        host_kv_cache_memory=host_bytes // 2,
+        tensor_parallel_size=2,
         **kw,
     )
     assert isinstance(two.runner, ParallelRunner)
@@ -168,7 +171,10 @@ def test_a_core_in_its_own_process_runs_two_ranks_and_stops_them(llama, model_fo
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in one.generate(batch, params)]
     config = EngineConfig(
-        model=str(model_folders["llama"]), block_size=BLOCK, device="cpu", kv_cache_memory=48 << 10,
+        model=str(model_folders["llama"]),
+        block_size=BLOCK,
+        device="cpu",
+        kv_cache_memory=48 << 10,
         tensor_parallel_size=2,
     )
 

@@ -124,8 +124,13 @@ class KVGrowth:
         if table.node is not None:
             self.cache.inc_lock(table.node)
         copy = BlockTable(
-            list(table.blocks), table.num_tokens, table.node, table.owner, table.session,
-            key_offset=table.key_offset, extra=[list(e) for e in table.extra],
+            list(table.blocks),
+            table.num_tokens,
+            table.node,
+            table.owner,
+            table.session,
+            key_offset=table.key_offset,
+            extra=[list(e) for e in table.extra],
         )
         return self._register(copy)
 

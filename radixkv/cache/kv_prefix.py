@@ -40,6 +40,7 @@ class KVPrefix:
         the tree (`load_stored`). `salt` (a request's `cache_salt`) limits what it matches and
         caches to its namespace."""
         offset = salt_offset(salt)
+
         def empty() -> BlockTable:
             extra = [[] for _ in self.windows]
             table = BlockTable([], owner=owner, session=session, key_offset=offset, extra=extra)
@@ -75,8 +76,15 @@ class KVPrefix:
             self.pool.incref_all(e[keep:])
             self.cache.touch_stale(e[keep:])
         table = BlockTable(
-            blocks, match.num_tokens, match.node, owner, session, num_loaded_tokens=loaded,
-            num_stored_tokens=fetched, key_offset=offset, extra=extra,
+            blocks,
+            match.num_tokens,
+            match.node,
+            owner,
+            session,
+            num_loaded_tokens=loaded,
+            num_stored_tokens=fetched,
+            key_offset=offset,
+            extra=extra,
         )
         return self._register(table)
 

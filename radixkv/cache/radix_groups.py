@@ -152,7 +152,8 @@ class RadixGroups:
             i = node.extra[g].index(block)
             w = windows[g]
             dead = any(
-                e[i] == null for h, e in enumerate(node.extra)
+                e[i] == null
+                for h, e in enumerate(node.extra)
                 if h != g and windows[h] is not None and w is not None and windows[h] >= w
             )
             order.append((not dead, self.stale[block], node.start // B + i, node, node.extra[g], i))

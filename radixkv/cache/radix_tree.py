@@ -86,7 +86,6 @@ class RadixNode:
         return f"RadixNode(id={self.id}, {span}, {where}, lock={self.lock_ref})"
 
 
-
 class MatchResult(NamedTuple):
     """The longest cached prefix of a query that is on the device (after loading host blocks).
 
@@ -104,7 +103,6 @@ class MatchResult(NamedTuple):
     extra: tuple[list[int], ...] = ()
 
 
-
 class InsertResult(NamedTuple):
     """`num_cached`: leading tokens already cached before the insert. `redundant`: the caller's
     blocks that the cache did not take because it holds the same KV already; they are freed
@@ -114,10 +112,8 @@ class InsertResult(NamedTuple):
     redundant: list[int]
 
 
-
 def block_key(tokens: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("q", tokens).tobytes())
-
 
 
 class RadixTree:

@@ -168,7 +168,9 @@ class RouterService:
                 log.warning("replica %d failed serving %s: %s", i, request.url.path, e)
                 if attempt:
                     raise APIError(
-                        502, f"replica {i} failed while serving the request: {e}", type="server_error",
+                        502,
+                        f"replica {i} failed while serving the request: {e}",
+                        type="server_error",
                         code="replica_failed",
                     ) from e
                 self.counters.retries += 1
@@ -184,8 +186,9 @@ class RouterService:
                 yield chunk
         except ReplicaFailed as e:
             self._failed(i)
-            error = APIError(502, f"replica {i} failed mid-stream: {e}", type="server_error",
-                             code="replica_failed")
+            error = APIError(
+                502, f"replica {i} failed mid-stream: {e}", type="server_error", code="replica_failed"
+            )
             yield f"data: {json.dumps(error.body())}\n\n".encode()
         finally:
             self.router.complete(i)
@@ -254,8 +257,13 @@ class RouterService:
 
     async def _forwarded(self, request: Request) -> Forwarded:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
-        return Forwarded(request.method, request.url.path, request.url.query.encode(), headers,
-                         await read_body(request, self.max_request_bytes))
+        return Forwarded(
+            request.method,
+            request.url.path,
+            request.url.query.encode(),
+            headers,
+            await read_body(request, self.max_request_bytes),
+        )
 
     def _routing_tokens(self, path: str, body: bytes, key: str | None) -> list[int]:
         """The prompt's tokens as the replicas' caches key them: shifted into the request's

@@ -29,14 +29,16 @@ class History:
         asked = queries - last_q
         self._last = (queries, hits)
         policy = view.get("policy") or {}
-        self.samples.append({
-            "t": round(time.monotonic() - self._start, 3),
-            "hit_rate": (hits - last_h) / asked if asked > 0 else None,
-            "hit_rate_total": hits / queries if queries else 0.0,
-            "tokens_saved": hits,
-            "device": view["blocks"]["device"],
-            "window_share": policy.get("window_share"),
-        })
+        self.samples.append(
+            {
+                "t": round(time.monotonic() - self._start, 3),
+                "hit_rate": (hits - last_h) / asked if asked > 0 else None,
+                "hit_rate_total": hits / queries if queries else 0.0,
+                "tokens_saved": hits,
+                "device": view["blocks"]["device"],
+                "window_share": policy.get("window_share"),
+            }
+        )
 
     def as_list(self) -> list[dict[str, Any]]:
         return list(self.samples)

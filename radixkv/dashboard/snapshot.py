@@ -132,8 +132,13 @@ def _describe(
         "subtree_tokens": below[id(node)][0],
         "blocks": device,
         "host_blocks": host,
-        "tier": "device" if device and not host else "host" if host and not device else
-                "device+host" if device else "none",
+        "tier": "device"
+        if device and not host
+        else "host"
+        if host and not device
+        else "device+host"
+        if device
+        else "none",
         "refs": node.lock_ref if node.parent is not None else 0,
         "hits": node.hits,
         "age": cache._clock - node.last_access,

@@ -111,8 +111,11 @@ class EngineCore(RequestIntake, RequestResults):
         )
         profile = parallel.kv_cache_budget if parallel is not None else kv_cache_budget  # all ranks profile
         budget = config.kv_cache_memory or profile(
-            m, block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, gpu_memory_utilization=config.gpu_memory_utilization,
+            m,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
             gpu_memory_share=config.gpu_memory_share,
             cuda_graph_max_seqs=0 if config.enforce_eager or parallel is not None else config.max_num_seqs,
         )
@@ -135,14 +138,25 @@ class EngineCore(RequestIntake, RequestResults):
         else:
             graph_seqs = 0 if config.enforce_eager else config.max_num_seqs
             self.runner = ModelRunner(
-                m, self.pool.num_blocks, config.block_size, num_host, cuda_graph_max_seqs=graph_seqs,
-                groups=self.groups, kv_cache_dtype=config.kv_cache_dtype,
+                m,
+                self.pool.num_blocks,
+                config.block_size,
+                num_host,
+                cuda_graph_max_seqs=graph_seqs,
+                groups=self.groups,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
             self.runner.store = self.store
         self.inputs = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-            self.pool.num_blocks, config.block_size, self.runner.device,
-            windows=self.kv.windows, max_num_batched_tokens=config.max_num_batched_tokens,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            self.pool.num_blocks,
+            config.block_size,
+            self.runner.device,
+            windows=self.kv.windows,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(
             self.kv,

@@ -40,7 +40,12 @@ class RequestIntake:
         cached blocks only with requests of the same salt (`radixkv.cache.salt`); without one,
         with every other unsalted request."""
         request = self.inputs.make_request(
-            prompt, params, request_id, call=call, session_id=session_id, cache_salt=cache_salt,
+            prompt,
+            params,
+            request_id,
+            call=call,
+            session_id=session_id,
+            cache_salt=cache_salt,
             in_use=self._requests,
         )
         spec = getattr(request.params, "structured_outputs", None)

@@ -223,7 +223,10 @@ class OverlapStepper:
         self.in_flight = InFlight(batch, self.worker.submit(execute, resolve))
 
     def _submit(
-        self, batch: list[ScheduledSeq], inputs: Any, holes: list[tuple[int, ScheduledSeq]],
+        self,
+        batch: list[ScheduledSeq],
+        inputs: Any,
+        holes: list[tuple[int, ScheduledSeq]],
         sampled: SampledStep | None,
     ) -> None:
         """Puts step N's tokens into step N+1's placeholders (`holes`: input index and entry),

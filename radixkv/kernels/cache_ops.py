@@ -25,11 +25,27 @@ from radixkv.kernels.launch_plan import padded_head_dim, plan_copy
 
 @dual_jit(do_not_specialize=("num_tokens",))
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, ROW_LEN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr,
-    V_LIKE_K: tl.constexpr, HEADS_PACKED: tl.constexpr, SLOTS_PACKED: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    ROW_LEN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    V_LIKE_K: tl.constexpr,
+    HEADS_PACKED: tl.constexpr,
+    SLOTS_PACKED: tl.constexpr,
 ):
     # The compile-time flags take the general index math out where the layout makes it the
     # identity (the usual case): every op costs the interpreter the same whatever its size.
@@ -61,10 +77,25 @@ def _store_kv_kernel(
 
 @dual_jit(do_not_specialize=("num_tokens",))
 def _store_quantized_kernel(
-    x_ptr, cache_ptr, scale_ptr, slot_mapping_ptr, num_tokens,
-    stride_xt, stride_xh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-    LIMIT: tl.constexpr, ROUND: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    cache_ptr,
+    scale_ptr,
+    slot_mapping_ptr,
+    num_tokens,
+    stride_xt,
+    stride_xh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    LIMIT: tl.constexpr,
+    ROUND: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     # One tensor (K or V) a launch; program (token tile, KV head). Same arithmetic as quantize_ref:
     # scale = max|x| / LIMIT rounded to the scale dtype, x / scale clamped, rounded half up (int8).
@@ -92,9 +123,19 @@ def _store_quantized_kernel(
 
 @dual_jit(do_not_specialize=("num_pairs",))
 def _copy_blocks_kernel(
-    k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr, num_pairs, stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, TOKEN_LEN: tl.constexpr, BLOCK_LEN: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr,
+    k_cache_ptr,
+    v_cache_ptr,
+    src_ptr,
+    dst_ptr,
+    num_pairs,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    TOKEN_LEN: tl.constexpr,
+    BLOCK_LEN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     elem = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)
@@ -155,10 +196,24 @@ def store_kv(
     plan = plan_copy(num_tokens, row_len, interpreted(device))
     with launch_guard():
         _store_kv_kernel.on(device)[(triton.cdiv(num_tokens, plan.rows), triton.cdiv(row_len, plan.cols))](
-            k, v, k_cache, v_cache, slot_mapping, num_tokens,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HEAD_DIM=head_dim, ROW_LEN=row_len, BLOCK_SIZE=block_size, ROWS=plan.rows, COLS=plan.cols,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_tokens,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            HEAD_DIM=head_dim,
+            ROW_LEN=row_len,
+            BLOCK_SIZE=block_size,
+            ROWS=plan.rows,
+            COLS=plan.cols,
             V_LIKE_K=k.stride()[:2] == v.stride()[:2],
             HEADS_PACKED=k.stride(1) == v.stride(1) == k_cache.stride(2) == head_dim,
             SLOTS_PACKED=k_cache.stride(0) == block_size * k_cache.stride(1),
@@ -183,10 +238,25 @@ def _store_quantized(
     with launch_guard():
         for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             _store_quantized_kernel.on(device)[grid](
-                x, cache, scale, slot_mapping, num_tokens, x.stride(0), x.stride(1),
-                cache.stride(0), cache.stride(1), cache.stride(2), scale.stride(0), scale.stride(1),
-                scale.stride(2), LIMIT=QUANTIZED_DTYPES[cache.dtype], ROUND=cache.dtype == torch.int8,
-                HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, ROWS=rows,
+                x,
+                cache,
+                scale,
+                slot_mapping,
+                num_tokens,
+                x.stride(0),
+                x.stride(1),
+                cache.stride(0),
+                cache.stride(1),
+                cache.stride(2),
+                scale.stride(0),
+                scale.stride(1),
+                scale.stride(2),
+                LIMIT=QUANTIZED_DTYPES[cache.dtype],
+                ROUND=cache.dtype == torch.int8,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_P=head_dim_p,
+                BLOCK_SIZE=block_size,
+                ROWS=rows,
             )
 
 
@@ -223,9 +293,19 @@ def copy_blocks(
     with launch_guard():
         grid = (triton.cdiv(num_pairs, plan.rows), triton.cdiv(block_len, plan.cols))
         _copy_blocks_kernel.on(device)[grid](
-            k_cache, v_cache, src, dst, num_pairs, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HEAD_DIM=head_dim, TOKEN_LEN=num_kv_heads * head_dim, BLOCK_LEN=block_len,
-            ROWS=plan.rows, COLS=plan.cols,
+            k_cache,
+            v_cache,
+            src,
+            dst,
+            num_pairs,
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            HEAD_DIM=head_dim,
+            TOKEN_LEN=num_kv_heads * head_dim,
+            BLOCK_LEN=block_len,
+            ROWS=plan.rows,
+            COLS=plan.cols,
         )
 
 

@@ -156,8 +156,14 @@ def plan_attention_interpreted(
 
 
 def plan_attention_gpu(
-    device: torch.device, num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
-    max_kv_len: int, itemsize: int = 4,
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_kv_len: int,
+    itemsize: int = 4,
 ) -> AttentionPlan:
     """GPU plan from host-known sizes only (no device sync); `max_kv_len` is the block table's capacity,
     `itemsize` the bytes of a K/V element (default float32's, the most shared memory).
@@ -190,8 +196,9 @@ def plan_attention_gpu(
     ):
         num_splits *= 2
     num_warps = (2 if num_splits == 1 else 4) if decode else tile.num_warps
-    return AttentionPlan(block_q, 1, block_n, num_splits, flat_loads=False, num_warps=num_warps,
-                         num_stages=stages)
+    return AttentionPlan(
+        block_q, 1, block_n, num_splits, flat_loads=False, num_warps=num_warps, num_stages=stages
+    )
 
 
 def max_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:

@@ -269,7 +269,11 @@ class KVStore:
             self._warned = True
             log.warning(
                 "kv store %s failed (%s: %s): a miss, and skipped for %.0f s after each failure "
-                "(logged once)", self.url, type(exc).__name__, exc, self.retry_s,
+                "(logged once)",
+                self.url,
+                type(exc).__name__,
+                exc,
+                self.retry_s,
             )
 
     def _slow(self) -> None:

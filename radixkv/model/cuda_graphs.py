@@ -149,8 +149,13 @@ class DecodeGraphs:
         """The attention plan a decode of `size` sequences over a table `width` blocks wide gets."""
         runner = self.runner
         return plan_attention_gpu(
-            runner.device, size, size, runner.num_kv_heads, runner.num_heads // runner.num_kv_heads,
-            runner.head_dim, width * runner.block_size,
+            runner.device,
+            size,
+            size,
+            runner.num_kv_heads,
+            runner.num_heads // runner.num_kv_heads,
+            runner.head_dim,
+            width * runner.block_size,
         )
 
     def _forward(self, size: int, width: int) -> torch.Tensor:

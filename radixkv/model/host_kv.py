@@ -34,9 +34,16 @@ class HostKVCache:
         self.tensor = torch.zeros(shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
         # Flat, so that a chunk's rows are a contiguous view of its start (pinned to pinned copy).
         per_block = self.tensor[:, :, 0].numel()
-        self._staging = torch.empty(
-            min(num_blocks, OFFLOAD_CHUNK_BLOCKS) * per_block, dtype=like.dtype, device="cpu", pin_memory=True
-        ) if self.device.type != "cpu" else None  # on a CPU the gather is already in host memory
+        self._staging = (
+            torch.empty(
+                min(num_blocks, OFFLOAD_CHUNK_BLOCKS) * per_block,
+                dtype=like.dtype,
+                device="cpu",
+                pin_memory=True,
+            )
+            if self.device.type != "cpu"
+            else None
+        )  # on a CPU the gather is already in host memory
 
     @torch.inference_mode()
     def offload(self, device_cache: torch.Tensor, src: list[int], dst: list[int]) -> None:

@@ -54,7 +54,11 @@ SUPPORTED_ARCHITECTURES: dict[str, type[PreTrainedModel]] = {
 # "full_attention"); the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) mask every layer with
 # `config.sliding_window` when it is set.
 _PER_LAYER_WINDOW_ARCHITECTURES = (
-    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # These recompute rotary frequencies from the longest position in the forward call, which in a
 # flattened batch depends on the other sequences; a sequence's output would depend on its batch.
@@ -153,8 +157,13 @@ def load_model(
         if on_device and torch.device(device).type != "cuda":
             raise ModelLoadError(f"{name} is a real size, for benchmarks on a CUDA device, not {device}")
         return build_random_model(
-            config, dtype=auto_dtype(dtype, config, device), device=device, seed=seed, tokenizer=tokenizer,
-            name=name, on_device=on_device,
+            config,
+            dtype=auto_dtype(dtype, config, device),
+            device=device,
+            seed=seed,
+            tokenizer=tokenizer,
+            name=name,
+            on_device=on_device,
         )
     folder = Path(name_or_path)
     if not folder.is_dir():

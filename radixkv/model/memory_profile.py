@@ -53,8 +53,10 @@ def kv_cache_budget(
     )
     free, total = torch.cuda.mem_get_info(device)
     budget = cuda_budget(
-        DeviceMemory(total, free, torch.cuda.memory_reserved(device)), peak + graphs,
-        gpu_memory_utilization, gpu_memory_share,
+        DeviceMemory(total, free, torch.cuda.memory_reserved(device)),
+        peak + graphs,
+        gpu_memory_utilization,
+        gpu_memory_share,
     )
     if budget <= 0:
         raise ValueError(

@@ -81,19 +81,42 @@ def _tiny_qwen2() -> PretrainedConfig:
 
 def _llama_3_8b_shape() -> PretrainedConfig:
     return LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID, dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=_EOS_ID,
+        pad_token_id=_PAD_ID,
+        dtype="bfloat16",
     )
 
 
 def _qwen2_5_1_5b_shape() -> PretrainedConfig:
     return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=_EOS_ID, pad_token_id=_PAD_ID, dtype="bfloat16",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=_EOS_ID,
+        pad_token_id=_PAD_ID,
+        dtype="bfloat16",
     )
 
 
@@ -109,15 +132,22 @@ def _tiny_phi3() -> PretrainedConfig:
 
 def _gemma_sizes(layer_types: list[str]) -> dict[str, object]:
     return {
-        **_TINY, "num_hidden_layers": len(layer_types), "layer_types": layer_types, "head_dim": 32,
-        "query_pre_attn_scalar": 48, "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False,
+        **_TINY,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 48,
+        "sliding_window": SLIDING_WINDOW,
+        "tie_word_embeddings": False,
     }
 
 
 def _tiny_gemma2() -> PretrainedConfig:
     layer_types = ["sliding_attention", "full_attention"] * 2
     return Gemma2Config(
-        architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
+        architectures=["Gemma2ForCausalLM"],
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=30.0,
         **_gemma_sizes(layer_types),
     )
 
@@ -136,8 +166,11 @@ def _tiny_mixtral() -> PretrainedConfig:
 
 def _tiny_qwen2_moe() -> PretrainedConfig:
     return Qwen2MoeConfig(
-        architectures=["Qwen2MoeForCausalLM"], num_experts=4, shared_expert_intermediate_size=256,
-        **_MOE, **_TINY,
+        architectures=["Qwen2MoeForCausalLM"],
+        num_experts=4,
+        shared_expert_intermediate_size=256,
+        **_MOE,
+        **_TINY,
     )
 
 

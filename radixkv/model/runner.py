@@ -225,9 +225,15 @@ class ModelRunner:
 
     def _plan(self, step: HostBatch) -> AttentionLaunches:
         return plan_paged_attention(
-            step.query_start_loc, step.seq_lens, step.block_table, num_tokens=step.input_ids.shape[1],
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            block_size=self.block_size, itemsize=self.kv_cache.element_size(),
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_table,
+            num_tokens=step.input_ids.shape[1],
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            itemsize=self.kv_cache.element_size(),
         )
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

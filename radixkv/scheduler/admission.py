@@ -43,7 +43,11 @@ class Admission:
             for seq in request.seqs:
                 assert seq.table is None, f"request {request.request_id} is waiting but holds a table"
                 seq.table = self.kv.admit(
-                    seq.tokens, request.request_id, request.session_id, stored, request.cache_salt,
+                    seq.tokens,
+                    request.request_id,
+                    request.session_id,
+                    stored,
+                    request.cache_salt,
                     request.max_cached_prompt,
                 )
                 stored = None  # the first sequence's blocks are in the tree: the others match them

@@ -137,7 +137,6 @@ class Scheduler(Admission, StepSampling, StepCommit):
                     self.kv.reserve([(seq.table, n) for seq, n in plan])
                     break
                 except OutOfBlocks:  # reserve changed nothing
-
                     victim = self.running[-1]  # never one scheduled already: those are in front
                     self._preempt(victim)
                     preempted = True

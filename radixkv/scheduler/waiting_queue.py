@@ -23,9 +23,7 @@ class WaitingQueue:
     scheduler asks for it (`ordered`) only when admission can take something; aging is O(1) a step
     (a step counter; a request's `waited_steps` is brought up to date when it leaves the queue)."""
 
-    def __init__(
-        self, policy: str, cached_prefix_len: Callable[[list[int], str | None], int] | None
-    ) -> None:
+    def __init__(self, policy: str, cached_prefix_len: Callable[[list[int], str | None], int] | None) -> None:
         """`cached_prefix_len(tokens, cache_salt)`: how much of a prompt the cache holds for a
         request of that salt (None: no cache, so `fcfs`)."""
         self.policy = policy if cached_prefix_len is not None else "fcfs"

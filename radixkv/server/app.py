@@ -71,7 +71,13 @@ def build_app(
     replies = ReplyStore(engine.tokenizer) if engine.tokenizer is not None else None
     sessions = SessionTracker(engine.close_session, session_idle_timeout_s)
     state = ServerState(
-        engine, model_name, keys, max_waiting, replies, sessions, created=int(time.time()),
+        engine,
+        model_name,
+        keys,
+        max_waiting,
+        replies,
+        sessions,
+        created=int(time.time()),
         max_prompt_chars=prompt_char_limit(engine.tokenizer, engine.max_model_len),
         cache_isolation=cache_isolation,
     )

@@ -67,8 +67,13 @@ async def run_sampling(
         for i, s in enumerate(out.samples):
             choices.append(
                 Choice(
-                    j * params.n + i, s.text, s.finish_reason, s.logprobs, s.token_ids,
-                    out.prompt_token_ids, out.prompt_logprobs,
+                    j * params.n + i,
+                    s.text,
+                    s.finish_reason,
+                    s.logprobs,
+                    s.token_ids,
+                    out.prompt_token_ids,
+                    out.prompt_logprobs,
                 )
             )
             usage.completion_tokens += len(s.token_ids)

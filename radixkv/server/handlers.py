@@ -100,8 +100,14 @@ async def run(
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     echo = not chat and body.echo
     fmt = Formatter(
-        request_id, chat, state.model_name, engine.tokenizer, body.return_tokens_as_token_ids,
-        echo=echo, echo_top=body.logprobs if echo else None, prompt_top=body.prompt_logprobs,
+        request_id,
+        chat,
+        state.model_name,
+        engine.tokenizer,
+        body.return_tokens_as_token_ids,
+        echo=echo,
+        echo_top=body.logprobs if echo else None,
+        prompt_top=body.prompt_logprobs,
     )
     tokens = max_tokens(body, default)
     scoring = echo and tokens == 0  # prompt scoring: the engine makes one token, then it is dropped
@@ -139,8 +145,15 @@ async def run(
     state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
     if body.stream:
         events = _events(
-            state, streams, fmt, body.include_usage, chat, scope_request_id(request.scope), tags,
-            continuous=body.continuous_usage, tools=tools is not None,
+            state,
+            streams,
+            fmt,
+            body.include_usage,
+            chat,
+            scope_request_id(request.scope),
+            tags,
+            continuous=body.continuous_usage,
+            tools=tools is not None,
             max_calls=None if tools is None or body.parallel_tool_calls else 1,
             named=_named(body) if tools is not None else None,
         )
@@ -247,8 +260,10 @@ def _step_failed(error: RequestError, rid: str) -> APIError:
     log.warning("request %s: an engine step failed under it", rid, exc_info=error)
     cause = type(error.__cause__).__name__ if error.__cause__ is not None else "RequestError"
     return APIError(
-        500, f"the engine step running this request failed ({cause}); quote request id {rid}",
-        type="server_error", code="engine_step_failed",
+        500,
+        f"the engine step running this request failed ({cause}); quote request id {rid}",
+        type="server_error",
+        code="engine_step_failed",
     )
 
 

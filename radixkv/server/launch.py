@@ -65,16 +65,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--api-key", action="append", default=None,
+        "--api-key",
+        action="append",
+        default=None,
         help="require `Authorization: Bearer KEY` on /v1 routes (repeatable: any of the keys)",
     )
     parser.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
     parser.add_argument(
-        "--cache-isolation", choices=CACHE_ISOLATION, default="shared",
+        "--cache-isolation",
+        choices=CACHE_ISOLATION,
+        default="shared",
         help="per-key: each API key's requests share cached prefixes only with each other",
     )
     parser.add_argument(
-        "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
         help="answer 413 to a larger request body (default 8 MiB)",
     )
     parser.add_argument(
@@ -97,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "DELETE /v1/sessions/ID closes it",
     )
     parser.add_argument(
-        "--no-engine-process", action="store_true",
+        "--no-engine-process",
+        action="store_true",
         help="run the engine core in the server's process (a thread) rather than its own process",
     )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

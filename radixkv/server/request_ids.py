@@ -61,8 +61,14 @@ class RequestIds:
             if started:  # the response is under way: nothing more can be said to the client
                 return
             body = json.dumps(
-                {"error": {"message": f"internal error; quote request id {rid}", "type": "server_error",
-                           "param": None, "code": type(error).__name__}}
+                {
+                    "error": {
+                        "message": f"internal error; quote request id {rid}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": type(error).__name__,
+                    }
+                }
             ).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             await send_with_id({"type": "http.response.start", "status": 500, "headers": headers})

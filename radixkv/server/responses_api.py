@@ -360,7 +360,9 @@ class _Items:
         out.append(
             self.shape.event(
                 "response.function_call_arguments.delta",
-                item_id=self._call["id"], output_index=len(self.done), delta=piece,
+                item_id=self._call["id"],
+                output_index=len(self.done),
+                delta=piece,
             )
         )
         return out
@@ -409,7 +411,9 @@ class _Items:
         call["status"] = status
         done = self.shape.event(
             "response.function_call_arguments.done",
-            item_id=call["id"], output_index=len(self.done), arguments=call["arguments"],
+            item_id=call["id"],
+            output_index=len(self.done),
+            arguments=call["arguments"],
         )
         return self._item_done(call, done)
 

@@ -24,8 +24,10 @@ def api_keys(keys: str | Sequence[str] | None) -> tuple[str, ...]:
     keys = (keys,) if isinstance(keys, str) else tuple(keys or ())
     for key in keys:
         if not (isinstance(key, str) and key and key.isascii() and key.isprintable() and key.strip() == key):
-            raise ValueError("API keys must be printable ASCII without surrounding spaces: an HTTP header "
-                             "could never carry such a key, so it could never match")
+            raise ValueError(
+                "API keys must be printable ASCII without surrounding spaces: an HTTP header "
+                "could never carry such a key, so it could never match"
+            )
     return keys
 
 
@@ -69,8 +71,9 @@ class ServerState:
         """A 400 naming `param` for prompt text too long to fit the model whatever its tokens."""
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise APIError.bad_request(
-                param, f"{param} has {chars} characters: more than {self.engine.max_model_len} tokens "
-                f"(max_model_len) can spell, so it cannot fit"
+                param,
+                f"{param} has {chars} characters: more than {self.engine.max_model_len} tokens "
+                f"(max_model_len) can spell, so it cannot fit",
             )
 
     def authorize(self, header: str | None) -> str | None:
@@ -112,8 +115,9 @@ class ServerState:
         Every admission is paired with one `release`."""
         if self.max_waiting is not None and sequences > self.max_waiting:
             raise APIError.bad_request(
-                param, f"the request has {sequences} sequences (prompts x n), more than the "
-                f"{self.max_waiting} this server lets wait"
+                param,
+                f"the request has {sequences} sequences (prompts x n), more than the "
+                f"{self.max_waiting} this server lets wait",
             )
         if self.max_waiting is not None and self.waiting() + sequences > self.max_waiting:
             raise APIError(

@@ -186,9 +186,14 @@ def stub_config(
         model.num_hidden_layers, BLOCK_SIZE, model.num_key_value_heads, model.head_dim, torch.bfloat16
     )
     return EngineConfig(
-        model="tiny-llama", dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * per_block, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, overlap=overlap,
+        model="tiny-llama",
+        dtype="bfloat16",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * per_block,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        overlap=overlap,
     )
 
 
@@ -366,8 +371,6 @@ def _run_plain_cases(names: list[str], args: argparse.Namespace) -> list[CaseRes
         results.append(result)
         if not args.json:
             total = result.host_ms_per_step
-            shares = "  ".join(
-                f"{result.parts[p]:>7.3f} ({result.parts[p] / total:>3.0%})" for p in PARTS
-            )
+            shares = "  ".join(f"{result.parts[p]:>7.3f} ({result.parts[p] / total:>3.0%})" for p in PARTS)
             print(f"{name:<14} {total:>8.3f}  {shares}", flush=True)
     return results

@@ -81,29 +81,44 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cpu" if INTERPRETED else "cuda")
     backend = "Triton interpreter, CPU" if INTERPRETED else f"Triton, {torch.cuda.get_device_name(device)}"
     if not args.json:
-        print(f"paged attention, float32, {NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head size "
-              f"{HEAD_DIM}, block size {BLOCK_SIZE}; {backend}; median of {args.repeats}")
-        print(f"{'case':<8} {'kv':<5} {'seqs':>4} {'new':>5} {'len':>5} {'triton ms':>10} {'torch ms':>9} "
-              f"{'ratio':>6} {'max err':>8}", flush=True)
+        print(
+            f"paged attention, float32, {NUM_HEADS} query heads / {NUM_KV_HEADS} KV heads, head size "
+            f"{HEAD_DIM}, block size {BLOCK_SIZE}; {backend}; median of {args.repeats}"
+        )
+        print(
+            f"{'case':<8} {'kv':<5} {'seqs':>4} {'new':>5} {'len':>5} {'triton ms':>10} {'torch ms':>9} "
+            f"{'ratio':>6} {'max err':>8}",
+            flush=True,
+        )
     results = []
     for case in CASES:
         for kv_cache_dtype in ("auto", "int8"):
             r = _run_case(case, device, args.repeats, kv_cache_dtype)
             results.append(r)
             if not args.json:
-                print(f"{r.case:<8} {r.kv_cache_dtype:<5} {r.num_seqs:>4} {r.new_tokens:>5} {r.seq_len:>5} "
-                      f"{r.triton_ms:>10.1f} {r.reference_ms:>9.1f} {r.ratio:>6.2f} {r.max_abs_err:>8.1e}",
-                      flush=True)
+                print(
+                    f"{r.case:<8} {r.kv_cache_dtype:<5} {r.num_seqs:>4} {r.new_tokens:>5} {r.seq_len:>5} "
+                    f"{r.triton_ms:>10.1f} {r.reference_ms:>9.1f} {r.ratio:>6.2f} {r.max_abs_err:>8.1e}",
+                    flush=True,
+                )
     bandwidth = None if INTERPRETED else _decode_bandwidth(device, args.repeats)
     if bandwidth is not None and not args.json:
         b = bandwidth
-        print(f"decode bandwidth, {b.num_seqs} x {b.seq_len} tokens, head size {b.head_dim}, {b.dtype}: "
-              f"{b.kernel_ms:.3f} ms, {b.gb_per_s:.0f} GB/s = {b.fraction_of_peak:.2f} of the peak "
-              f"{b.peak_gb_per_s:.0f} GB/s (max err {b.max_abs_err:.1e})", flush=True)
+        print(
+            f"decode bandwidth, {b.num_seqs} x {b.seq_len} tokens, head size {b.head_dim}, {b.dtype}: "
+            f"{b.kernel_ms:.3f} ms, {b.gb_per_s:.0f} GB/s = {b.fraction_of_peak:.2f} of the peak "
+            f"{b.peak_gb_per_s:.0f} GB/s (max err {b.max_abs_err:.1e})",
+            flush=True,
+        )
     if args.json:
         report = {
-            "backend": backend, "dtype": "float32", "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-            "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "repeats": args.repeats,
+            "backend": backend,
+            "dtype": "float32",
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "repeats": args.repeats,
             "cases": [r._asdict() for r in results],
             "bandwidth": bandwidth._asdict() if bandwidth is not None else None,
         }
@@ -112,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
     if bandwidth is not None and bandwidth.max_abs_err > BF16_MAX_ABS_ERR:
         broken.append(BANDWIDTH_CASE.name)
     if broken:
-        print(f"kernel output differs from the reference by more than {MAX_ABS_ERR} in: {', '.join(broken)}",
-              file=sys.stderr)
+        print(
+            f"kernel output differs from the reference by more than {MAX_ABS_ERR} in: {', '.join(broken)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -142,8 +159,15 @@ def _run_case(case: Case, device: torch.device, repeats: int, kv_cache_dtype: st
     kernel_out, kernel_ms = median_ms(lambda: paged_attention(*inputs, **scales), repeats, device)
     reference_out, reference_ms = median_ms(lambda: paged_attention_ref(*inputs, **scales), repeats, device)
     return CaseResult(
-        case.name, kv_cache_dtype, case.num_seqs, case.new_tokens, case.seq_len, kernel_ms, reference_ms,
-        kernel_ms / reference_ms, (kernel_out - reference_out).abs().max().item(),
+        case.name,
+        kv_cache_dtype,
+        case.num_seqs,
+        case.new_tokens,
+        case.seq_len,
+        kernel_ms,
+        reference_ms,
+        kernel_ms / reference_ms,
+        (kernel_out - reference_out).abs().max().item(),
     )
 
 
@@ -170,8 +194,14 @@ def _decode_bandwidth(device: torch.device, repeats: int) -> BandwidthResult:
     )
     _, _, _, block_table, seq_lens, query_start_loc = inputs
     launches = plan_paged_attention(
-        query_start_loc, seq_lens, block_table, num_tokens=case.num_seqs, num_heads=BANDWIDTH_HEADS,
-        num_kv_heads=BANDWIDTH_KV_HEADS, head_dim=BANDWIDTH_HEAD_DIM, block_size=BLOCK_SIZE,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        num_tokens=case.num_seqs,
+        num_heads=BANDWIDTH_HEADS,
+        num_kv_heads=BANDWIDTH_KV_HEADS,
+        head_dim=BANDWIDTH_HEAD_DIM,
+        block_size=BLOCK_SIZE,
     )
     out = paged_attention(*inputs, launches=launches)  # compiles
     calls = max(repeats, 50)

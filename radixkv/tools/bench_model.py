@@ -54,7 +54,8 @@ class Plan(NamedTuple):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", action="append",
+        "--model",
+        action="append",
         help="measure only this real-size preset (repeatable; default: every one, see REAL_SHAPE_PRESETS)",
     )
     parser.add_argument(
@@ -110,8 +111,12 @@ def _engine_config(name: str, plan: Plan) -> Any:
 
     longest = max([t for _, t in plan.prefill] + [plan.decode_context])
     return EngineConfig(
-        model=name, dtype="bfloat16", max_model_len=longest, max_num_seqs=max(plan.decode_batches),
-        max_num_batched_tokens=max(n * t for n, t in plan.prefill), enable_prefix_cache=False,
+        model=name,
+        dtype="bfloat16",
+        max_model_len=longest,
+        max_num_seqs=max(plan.decode_batches),
+        max_num_batched_tokens=max(n * t for n, t in plan.prefill),
+        enable_prefix_cache=False,
     )
 
 
@@ -280,6 +285,7 @@ def format_model(result: dict[str, Any]) -> str:
             f"  replay {replay['workload']}: hit rate {replay['hit_rate']:.3f}, TTFT p50 "
             f"{replay['ttft_p50_s'] * 1e3:.1f} ms with the cache, "
             f"{replay['ttft_p50_no_cache_s'] * 1e3:.1f} ms without ({ratio:.2f}x)"
-            if ratio is not None else "  replay: no TTFT without the cache"
+            if ratio is not None
+            else "  replay: no TTFT without the cache"
         )
     return "\n".join(lines)

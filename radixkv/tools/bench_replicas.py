@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--speed", type=float, default=1.0, help="arrival and think times divided by this")
     parser.add_argument(
-        "--kv-store", default=None, metavar="URL",
+        "--kv-store",
+        default=None,
+        metavar="URL",
         help="an empty KV store the replicas share: adds a run behind round robin over it",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
@@ -74,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         "workload": str(args.workload),
         "model": args.model,
         "config": {
-            "replicas": args.replicas, "kv_cache_memory": args.kv_cache_memory, "speed": args.speed,
+            "replicas": args.replicas,
+            "kv_cache_memory": args.kv_cache_memory,
+            "speed": args.speed,
             "kv_store": args.kv_store,
         },
         "ideal_hit_rate": ideal_hit_rate(workload, tokenizer, args.block_size),

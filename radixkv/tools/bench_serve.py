@@ -62,17 +62,23 @@ STUB_TOKEN = ord("A")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--streams", type=int, action="append",
+        "--streams",
+        type=int,
+        action="append",
         help=f"concurrent streams (repeatable; default {', '.join(map(str, DEFAULT_STREAMS))})",
     )
     parser.add_argument("--device-ms", type=float, default=2.0, help="the stub device's busy time per step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens each stream generates")
     parser.add_argument(
-        "--mode", choices=sorted(MODES), action="append",
+        "--mode",
+        choices=sorted(MODES),
+        action="append",
         help="where the engine core runs (repeatable; default both, alternating)",
     )
     parser.add_argument(
-        "--engine-cpus", type=_cpu_list, default=None,
+        "--engine-cpus",
+        type=_cpu_list,
+        default=None,
         help="pin the core's process to these CPUs (a comma list), everything else to the others",
     )
     parser.add_argument("--json", action="store_true", help="print only a JSON object")
@@ -113,9 +119,18 @@ def measure(
         steps_path = Path(folder) / "steps.txt"
         port = _free_port()
         child = subprocess.Popen(
-            python_argv("-c", "from radixkv.tools.bench_serve import stub_server; stub_server()",
-             str(port), str(streams), str(tokens), str(device_ms), str(stats_path), str(steps_path),
-             str(int(engine_process)), ",".join(map(str, sorted(engine_cpus or ())))),
+            python_argv(
+                "-c",
+                "from radixkv.tools.bench_serve import stub_server; stub_server()",
+                str(port),
+                str(streams),
+                str(tokens),
+                str(device_ms),
+                str(stats_path),
+                str(steps_path),
+                str(int(engine_process)),
+                ",".join(map(str, sorted(engine_cpus or ()))),
+            ),
             stdout=subprocess.DEVNULL,
         )
         try:
@@ -218,7 +233,11 @@ async def _stream(http: Any, index: int, tokens: int) -> tuple[float, float, int
     token is the stub's `STUB_TOKEN`, one character, so a chunk's text length is its tokens."""
     prompt = [(index * 7 + j) % 256 for j in range(PROMPT_TOKENS)]
     body = {
-        "model": "stub", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+        "model": "stub",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
         "ignore_eos": True,
     }
     times: list[float] = []

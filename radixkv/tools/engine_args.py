@@ -16,14 +16,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, prefix_cache_switch
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default="tiny-llama", help="preset name or local Hugging Face folder")
     engine.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
         help="auto: the checkpoint's on CUDA, float32 on CPU",
     )
     engine.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB; default: part of free memory")
     engine.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8_e4m3"],
         help="auto: the model's dtype; int8: 1 byte per value with per-token, per-head scales; "
         "fp8_e4m3: likewise, CUDA compute capability 8.9+ only",
     )

@@ -127,7 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --restart-after-turn and --url: a shell command that restarts the server, run "
         "after turn K (default: wait for the server to be restarted by hand)",
     )
-    remote.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    remote.add_argument(
+        "--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1"
+    )
     remote.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     remote.add_argument(
         "--endpoint",

@@ -315,7 +315,6 @@ def run(args: argparse.Namespace, workload: Workload) -> int:
     return 0
 
 
-
 def _run_remote(args: argparse.Namespace, workload: Workload) -> int:
     """`--restart-after-turn K --url URL [--restart-command CMD]`: one arm, the server's restart."""
     if args.compare:

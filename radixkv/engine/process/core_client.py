@@ -133,8 +133,13 @@ class CoreClient:
         self.vocab_size = ready.vocab_size
         self.max_model_len = ready.max_model_len
         self.inputs = InputProcessor(
-            self.tokenizer, ready.vocab_size, ready.max_model_len, config.max_num_seqs,
-            ready.num_blocks, ready.block_size, windows=tuple(ready.windows),
+            self.tokenizer,
+            ready.vocab_size,
+            ready.max_model_len,
+            config.max_num_seqs,
+            ready.num_blocks,
+            ready.block_size,
+            windows=tuple(ready.windows),
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.reader = threading.Thread(target=self._read, name="radixkv-core-reader", daemon=True)
@@ -195,9 +200,16 @@ class CoreClient:
             if stops:
                 params = dataclasses.replace(params, stop=[])
             messages.append(
-                AddRequest(r.request_id, pack_ids(r.prompt_ids), pickle.dumps(params),
-                           "beam_search" if r.is_beam_search else "stream" if stream else "generate",
-                           stream or stops, r.arrival_time, r.session_id, r.cache_salt)
+                AddRequest(
+                    r.request_id,
+                    pack_ids(r.prompt_ids),
+                    pickle.dumps(params),
+                    "beam_search" if r.is_beam_search else "stream" if stream else "generate",
+                    stream or stops,
+                    r.arrival_time,
+                    r.session_id,
+                    r.cache_salt,
+                )
             )
             self._requests[r.request_id] = r
         for message in messages:
@@ -444,7 +456,9 @@ class CoreClient:
                 return seq
         first = (request.seqs or request.finished_seqs)[0]
         seq = Sequence(
-            list(request.prompt_ids), len(request.prompt_ids), index=index,
+            list(request.prompt_ids),
+            len(request.prompt_ids),
+            index=index,
             detok=first.detok.fork() if first.detok is not None else None,
             token_logprobs=[] if first.token_logprobs is not None else None,
         )

@@ -156,8 +156,15 @@ class CoreProcess:
             return 1
         core.on_update = self._on_update
         self.send(
-            Ready(core.vocab_size, core.max_model_len, list(core.eos_token_ids), core.pool.num_blocks,
-                  core.config.block_size, os.getpid(), list(core.kv.windows))
+            Ready(
+                core.vocab_size,
+                core.max_model_len,
+                list(core.eos_token_ids),
+                core.pool.num_blocks,
+                core.config.block_size,
+                os.getpid(),
+                list(core.kv.windows),
+            )
         )
         try:
             self._loop()
@@ -218,8 +225,12 @@ class CoreProcess:
         try:
             ids = list(memoryview(message.prompt).cast("i"))
             request = self.core.make_request(
-                ids, pickle.loads(message.params), message.request_id, call=message.call,
-                session_id=message.session_id, cache_salt=message.cache_salt,
+                ids,
+                pickle.loads(message.params),
+                message.request_id,
+                call=message.call,
+                session_id=message.session_id,
+                cache_salt=message.cache_salt,
             )
             request.arrival_time = message.arrival_time
             self.sent[request.request_id] = _Sent(message.stream)
@@ -286,8 +297,13 @@ class CoreProcess:
             base = seq.num_prompt_tokens
             records = seq.token_logprobs[start:end] if seq.token_logprobs is not None else None
             update.seqs.append(
-                SeqUpdate(seq.index, pack_ids(seq.tokens[base + start : base + end]), records,
-                          seq.finish_reason if finished else None, seq.score)
+                SeqUpdate(
+                    seq.index,
+                    pack_ids(seq.tokens[base + start : base + end]),
+                    records,
+                    seq.finish_reason if finished else None,
+                    seq.score,
+                )
             )
         records = request.prompt_logprobs
         if records is not None and not sent.prompt_logprobs_sent and (update.seqs or finished):

@@ -104,7 +104,8 @@ class Launcher:
         try:
             self.process = subprocess.Popen(
                 python_argv("-m", __name__, str(reports_w)),
-                stdin=subprocess.PIPE, pass_fds=(reports_w,),
+                stdin=subprocess.PIPE,
+                pass_fds=(reports_w,),
             )
         except BaseException:
             os.close(self._reports)
