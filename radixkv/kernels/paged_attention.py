@@ -44,7 +44,7 @@ from radixkv.kernels.launch_plan import (
     plan_attention_gpu,
     plan_attention_interpreted,
 )
-from radixkv.kernels.paged_attention_kernel import _merge_splits_kernel, _paged_attention_kernel
+from radixkv.kernels.paged_attention_kernel import merge_splits_kernel, paged_attention_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -245,7 +245,7 @@ def _launch(
     # The interpreter multiplies in numpy, which has no bfloat16; float32 dots on a GPU stay IEEE.
     dot_dtype = tl.float32 if interp else _TL_DTYPES[q.dtype]
     with launch_guard():
-        _paged_attention_kernel.on(device)[(triton.cdiv(num_items, plan.items), plan.num_splits)](
+        paged_attention_kernel.on(device)[(triton.cdiv(num_items, plan.items), plan.num_splits)](
             q,
             k_cache,
             v_cache,
@@ -296,7 +296,7 @@ def _launch(
             num_stages=plan.num_stages,
         )
         if split:
-            _merge_splits_kernel.on(device)[(num_tokens * num_heads,)](
+            merge_splits_kernel.on(device)[(num_tokens * num_heads,)](
                 target,
                 lse,
                 out,

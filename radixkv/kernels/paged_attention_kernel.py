@@ -1,6 +1,6 @@
 """The two Triton kernels of paged attention (their host side, plans and launches, is
-radixkv.kernels.paged_attention, whose docstring states the algorithm): `_paged_attention_kernel`
-walks one item batch's keys with the online softmax, `_merge_splits_kernel` merges split-KV
+radixkv.kernels.paged_attention, whose docstring states the algorithm): `paged_attention_kernel`
+walks one item batch's keys with the online softmax, `merge_splits_kernel` merges split-KV
 ranges by their log-sum-exp. Both are `dual_jit`: compiled on a GPU, interpreted per launch on
 the CPU (radixkv.kernels.dispatch)."""
 
@@ -10,7 +10,7 @@ from radixkv.kernels.dispatch import dual_jit
 
 
 @dual_jit(do_not_specialize=("num_items", "kv_per_split", "stride_bt", "window"))
-def _paged_attention_kernel(
+def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -178,7 +178,7 @@ def _paged_attention_kernel(
 
 
 @dual_jit()
-def _merge_splits_kernel(
+def merge_splits_kernel(
     part_ptr,
     lse_ptr,
     out_ptr,
