@@ -3,7 +3,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's
 Responses API on the chat path: `radixkv.server.responses_api`), `GET /v1/models`,
 `DELETE /v1/sessions/{session_id}` (closes a chat session: `radixkv.server.sessions`), `GET /health`,
-`GET /metrics`. With an API key, the `/v1` routes need `Authorization: Bearer <key>`; health and
+`GET /metrics`, `GET /dashboard` and its data (`radixkv.server.dashboard_routes`). With an API
+key, the `/v1` and `/dashboard` routes need `Authorization: Bearer <key>`; health and
 metrics stay open for probes and scrapers, as in vLLM. Bodies are parsed by the request models
 (strict types), not by FastAPI's lenient coercion, so a malformed body or a wrong JSON type is a
 400 naming the field and never reaches the engine. Every error, routing ones included, has
@@ -39,6 +40,7 @@ import radixkv
 from radixkv.server import handlers, responses_api
 from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from radixkv.server.chat_prompt import ReplyStore
+from radixkv.server.dashboard_routes import add_dashboard_routes
 from radixkv.server.errors import APIError, from_validation
 from radixkv.server.prometheus import CONTENT_TYPE, exposition
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -165,6 +167,7 @@ def build_app(
         return {"version": radixkv.__version__, "instance": instance}
 
     add_tokenizer_routes(app, state, parse)
+    app.state.dashboard = add_dashboard_routes(app, state)
 
     @app.delete("/v1/sessions/{session_id:path}")  # an id may hold "/"
     async def close_session(request: Request, session_id: str) -> dict:
