@@ -67,6 +67,15 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.1)
 
 
+def open_page(browser, url: str, errors: list[str], **options):
+    """A new page at `url` whose console errors and uncaught exceptions go into `errors`."""
+    page = browser.new_page(**options)
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    return page
+
+
 def messages(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
@@ -91,10 +100,9 @@ def test_dashboard_shows_a_keys_shared_prefix_live_and_nothing_to_another_key(mo
             errors: list[str] = []
             pages = {}
             for key in keys:
-                page = browser.new_page(viewport={"width": 1280, "height": 1500})
-                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(f"{url}/dashboard?key={key}")
+                page = open_page(
+                    browser, f"{url}/dashboard?key={key}", errors, viewport={"width": 1280, "height": 1500}
+                )
                 assert "key=" not in page.url  # the key leaves the address bar at once
                 pages[key] = page
             a, b = pages[keys[0]], pages[keys[1]]
@@ -130,3 +138,37 @@ def test_dashboard_shows_a_keys_shared_prefix_live_and_nothing_to_another_key(mo
                 a.screenshot(path=SCREENSHOT, full_page=True)
             browser.close()
         assert errors == []
+
+
+def test_offline_reports_draw_every_point_without_errors(tmp_path):
+    """`--report-html` pages, opened from a file: each figure draws the points its data holds."""
+    from test_report_html import embedded, hash_trace
+
+    from radixkv.cli import main
+    from radixkv.tools import report_html
+    from radixkv.tools.replay_result import TurnRecord
+
+    simulated = tmp_path / "simulate.html"
+    trace = hash_trace(tmp_path / "trace.jsonl")
+    args = ["simulate", str(trace), "--capacity-blocks", "4,8,16", "--hash-block", "4", "--block-size", "4"]
+    assert main([*args, "--eviction", "lru,gdsf,adaptive", "--report-html", str(simulated)]) == 0
+    records = [
+        TurnRecord(f"s{i % 3}", i // 3, 0.1 * i, 0.1 * i + 0.05, 0.1 * i + 0.2, 40, 4 * i, 5)
+        for i in range(9)
+    ]
+    report = {"workload": "w.jsonl", "model": "tiny", "runs": {}}
+    replayed = tmp_path / "replay.html"
+    report_html.write(replayed, report_html.replay_report(report, {"prefix_cache": records}))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        for path in (simulated, replayed):
+            errors: list[str] = []
+            page = open_page(browser, path.as_uri(), errors)
+            figures = embedded(path)["figures"]
+            drawn = page.locator(".figure")
+            assert drawn.count() == len(figures)
+            for i, f in enumerate(figures):
+                points = sum(1 for s in f["series"] for _, y in s["points"] if y is not None)
+                assert drawn.nth(i).get_attribute("data-points") == str(points), f["title"]
+            assert errors == [], path.name
+        browser.close()

@@ -4,7 +4,9 @@ server's own `/dashboard/data` (users run it offline; the page's CSP forbids any
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -23,10 +25,9 @@ def static(name: str) -> str:
 
 
 def fill(template: str, **parts: str) -> str:
-    """`template` with each `{{name}}` replaced by `parts[name]`."""
-    for name, value in parts.items():
-        template = template.replace("{{" + name + "}}", value)
-    return template
+    """`template` with each `{{name}}` replaced by `parts[name]`, in one pass: what is put in is
+    never searched again, so data that spells `{{name}}` stays as it is."""
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: parts[m.group(1)], template)
 
 
 def dashboard_page(poll_ms: int) -> str:
@@ -37,6 +38,20 @@ def dashboard_page(poll_ms: int) -> str:
         poll_ms=str(int(poll_ms)),
         charts=static("charts.js"),
         dashboard=static("dashboard.js"),
+    )
+
+
+def report_page(data: dict[str, Any]) -> str:
+    """An offline report: `data` is `{title, subtitle, tables, figures}` as `static/report.js`
+    draws them (figures `{title, kind: "line" | "bars", series | rows, opts, note, wide}`, tables
+    `{title, columns, rows}`). One file that opens anywhere, with no server."""
+    return fill(
+        static("report.html"),
+        title=html.escape(data["title"]),
+        style=static("style.css"),
+        data=script_json(data),
+        charts=static("charts.js"),
+        report=static("report.js"),
     )
 
 

@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="replay again with the prefix cache off")
     parser.add_argument("--report", type=Path, help="write the JSON report here")
     parser.add_argument("--plot", type=Path, help="write a PNG of TTFT and hit rate here (needs matplotlib)")
+    parser.add_argument(
+        "--report-html", type=Path, help="write the report as one self-contained HTML page of plots here"
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="arrival and think times divided by this")
     add_engine_arguments(parser, prefix_cache_switch=False)
     parser.add_argument(
@@ -227,7 +230,7 @@ def emit(
     runs: dict[str, RunResult],
     text: Callable[[dict[str, Any]], str] | None = None,
 ) -> None:
-    """Writes the report and plot (of `runs`) where asked, and prints the report: as JSON with
+    """Writes the report, its HTML page and plot (of `runs`) where asked, and prints the report: as JSON with
     `--json`, else through `text` (default `format_report`)."""
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
@@ -235,6 +238,11 @@ def emit(
         from radixkv.tools.plot import plot_replay
 
         plot_replay({name: r.records for name, r in runs.items()}, args.plot)
+    if args.report_html:
+        from radixkv.tools import report_html
+
+        records = {name: r.records for name, r in runs.items()}
+        report_html.write(args.report_html, report_html.replay_report(report, records))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

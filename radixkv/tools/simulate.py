@@ -37,6 +37,7 @@ from radixkv.cache.radix_cache import RadixCache
 from radixkv.conversation import Conversation
 from radixkv.kvstore import KeySpace, MemoryBackend, StoredBlock, StoredRun
 from radixkv.router import ROUTERS
+from radixkv.tools import report_html
 from radixkv.workloads.format import Workload, read_workload
 from radixkv.workloads.traces import HashIdTokens, iter_lines, read_hash_trace
 
@@ -312,6 +313,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument(
+        "--report-html", type=Path, help="write the results as one self-contained HTML page of plots here"
+    )
+    parser.add_argument(
         "--trajectory",
         type=Path,
         help="write the settings the adaptive policy chose over time here (JSONL, one line per capacity)",
@@ -343,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.trajectory is not None:
         write_trajectories(args.trajectory, results)
+    if args.report_html is not None:
+        report_html.write(args.report_html, report_html.simulate_report(path.name, results))
     if args.json:
         rows = [r.as_json() for r in results]
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)

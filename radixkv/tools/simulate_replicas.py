@@ -25,6 +25,7 @@ from pathlib import Path
 from radixkv.cache import BlockPool, KVCacheManager, RadixCache, make_policy
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.router import Router
+from radixkv.tools import report_html
 from radixkv.tools.simulate import CacheRequest, Hits, SimulatedStore, ideal_hit_rate, read_requests, serve
 
 IN_FLIGHT_PER_REPLICA = 8
@@ -156,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
         args.eviction,
         args.store_blocks,
     )
+    if args.report_html is not None:
+        report_html.write(args.report_html, report_html.simulate_report(path.name, results))
     if args.json:
         rows = [{k: v for k, v in asdict(r).items() if v is not None} for r in results]
         json.dump(rows[0] if len(rows) == 1 else rows, sys.stdout, indent=2)

@@ -40,7 +40,8 @@ const RK = (() => {
     text(root, width / 2, height / 2, message, { "text-anchor": "middle", fill: "#888" });
   }
 
-  // series: [{name, points: [[x, y], ...]}]; points with a null y are gaps.
+  // series: [{name, points: [[x, y], ...], dots}]; points with a null y are gaps; `dots` draws
+  // each point rather than a line through them.
   function line(container, series, opts) {
     const o = Object.assign({ width: 460, height: 180, xLabel: "", yLabel: "", yMin: null, yMax: null }, opts);
     const root = svg(container, o.width, o.height);
@@ -67,6 +68,10 @@ const RK = (() => {
         d += `${pen}${X(x).toFixed(1)},${Y(y).toFixed(1)} `;
         pen = "L";
       }
+      if (s.dots) {
+        for (const [x, y] of s.points) if (y !== null && y !== undefined) el("circle", { cx: X(x), cy: Y(y), r: 2, fill: color, "fill-opacity": 0.5 }, root);
+        return;
+      }
       el("path", { d, fill: "none", stroke: color, "stroke-width": 1.6, class: "series" }, root);
       if (s.points.length === 1) el("circle", { cx: X(s.points[0][0]), cy: Y(s.points[0][1]), r: 3, fill: color }, root);
     });
@@ -88,10 +93,11 @@ const RK = (() => {
 
   function legend(root, series, right) {
     if (series.length < 2) return;
+    const left = right - 16 - 6.2 * Math.max(...series.map((s) => s.name.length));
     series.forEach((s, i) => {
       const y = 14 + i * 13;
-      el("rect", { x: right - 110, y: y - 8, width: 8, height: 8, fill: s.color || COLORS[i % COLORS.length] }, root);
-      text(root, right - 98, y, s.name);
+      el("rect", { x: left, y: y - 8, width: 8, height: 8, fill: s.color || COLORS[i % COLORS.length] }, root);
+      text(root, left + 12, y, s.name);
     });
   }
 
