@@ -1,20 +1,23 @@
-"""What the dashboard asks of an engine core in one call: its metrics, its blocks by tier and
-state, the eviction policy's state, and the tree snapshot (`radixkv.dashboard.snapshot`).
+"""What the dashboard asks of an engine core in one call, in two halves.
 
-Built where the cache lives (the core process, or the engine's own thread) between two steps,
-under the step lock, so it reads a tree no step is editing. Its cost is bounded by the snapshot's
-bounds; the server's `SnapshotCache` asks at most a few times a second however many pages poll.
+`capture_view` runs where the cache lives (the core process, or the engine's own thread) between
+two steps, under the step lock, so it reads a tree no step is editing: the metrics, the blocks by
+tier and state, the eviction policy's state, and the tree's rows (`snapshot.capture_tree`), a few
+milliseconds at most. `finish_view` runs in the caller, where no step waits for it: it builds the
+tree snapshot from the rows (`snapshot.build_tree`). The server's `SnapshotCache` asks at most a
+few times a second however many pages poll.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixkv.dashboard.snapshot import tree_snapshot
+from radixkv.dashboard.snapshot import build_tree, capture_tree
 
 
-def cache_view(core: Any, namespaces: list[int] | None) -> dict[str, Any]:
-    """The dict `EngineCore.dashboard` returns; `namespaces` as in `tree_snapshot`."""
+def capture_view(core: Any, namespaces: list[int] | None) -> dict[str, Any]:
+    """What `EngineCore.dashboard` returns (plain data, so it crosses a process pipe);
+    `namespaces` as in `capture_tree`."""
     pool, cache = core.pool, core.kv.cache
     metrics = core.metrics()
     cached = cache.evictable_size if cache is not None else 0
@@ -31,8 +34,14 @@ def cache_view(core: Any, namespaces: list[int] | None) -> dict[str, Any]:
         "blocks": blocks,
         "block_size": pool.block_size,
         "policy": policy_state(cache.policy) if cache is not None else None,
-        "tree": tree_snapshot(cache, namespaces) if cache is not None else None,
+        "tree": capture_tree(cache, namespaces) if cache is not None else None,
     }
+
+
+def finish_view(captured: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard's view: `captured` with its tree rows built into the snapshot."""
+    tree = captured["tree"]
+    return {**captured, "tree": build_tree(tree) if tree is not None else None}
 
 
 def policy_state(policy: Any) -> dict[str, Any]:

@@ -1,17 +1,23 @@
 """The tree snapshot: a bounded, content-free picture of the radix cache for the dashboard.
 
-A snapshot never carries token ids or text. A node is named by a keyed hash (BLAKE2b under a
-secret drawn once per process) of its parent's name and its edge's tokens, so the same prefix
-keeps its name from one snapshot to the next while nobody can test a guessed prompt against it.
-What a node shows: its edge's token count, where it starts, its device and host blocks (hence its
-tier), its lock count (the requests holding it), hits, how many cache ticks ago it was last used,
-and a hash of the chat session that last touched it.
+Two phases, so that the step waits only for the first. `capture_tree` runs where the cache lives,
+between two steps: a breadth-first walk (the shared prefixes near the root come first) of at most
+`max_visit` nodes that copies a few numbers a node into flat rows; about 1 us a node, so a few
+milliseconds at the bound. `build_tree` runs in the caller (the server's worker thread, across the
+pipe from a core process): it sums subtrees, chooses what to show, names the nodes and counts the
+usage, none of which any step waits for. A larger tree than the walk reaches is marked `sampled`,
+and what the walk did not reach is counted from the cache's own block totals. Of the visited
+nodes at most `max_nodes` are kept, chosen best first by the tokens under them, always with their
+ancestors, so the picture is one connected tree; the children a kept node does not show are summed
+into one `other` entry of it.
 
-Bounded work: the walk visits at most `max_visit` nodes (breadth first, so the shared prefixes near
-the root come first); a larger tree is marked `sampled` and what the walk did not reach is counted
-from the cache's own block totals. Of the visited nodes at most `max_nodes` are kept, chosen best
-first by the tokens under them, always with their ancestors, so the picture is one connected tree;
-the children a kept node does not show are summed into one `other` entry of it.
+A snapshot never carries token ids or text. A node is named by a keyed hash (BLAKE2b under a secret
+drawn once per process) of its parent's name and its child key in the tree (a hash of its first
+block of tokens, distinct among siblings), so the same prefix keeps its name from one snapshot to
+the next in one process while nobody can test a guessed prompt against it. What a node shows: its
+edge's token count, where it starts, its device and host blocks (hence its tier), its lock count
+(the requests holding it), hits, how many cache ticks ago it was last used, and a hash of the chat
+session that last touched it.
 
 Namespaces (`radixkv.cache.salt`): a salted request's tokens sit above `2**TOKEN_BITS`, so the
 namespace of a root child is its first token shifted down. `namespaces`, when given, keeps only the
@@ -24,16 +30,31 @@ from __future__ import annotations
 import hashlib
 import heapq
 import secrets
-from array import array
 from collections import Counter, deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.cache.salt import TOKEN_BITS
 
 MAX_NODES = 512
 MAX_VISIT = 4096
 _SECRET = secrets.token_bytes(16)  # names are stable within one process, unguessable outside it
+
+
+class Row(NamedTuple):
+    """One visited node, as `capture_tree` copies it (the root is row 0, its parent -1)."""
+
+    parent: int
+    key: int  # the node's child key under its parent (0 for the root)
+    namespace: int  # the salt offset its root child lies in (0: unsalted)
+    tokens: int
+    start: int
+    blocks: int
+    host_blocks: int
+    refs: int
+    hits: int
+    age: int
+    session: str | None
 
 
 def digest(data: bytes, size: int = 8) -> str:
@@ -52,115 +73,155 @@ def tree_snapshot(
     max_nodes: int = MAX_NODES,
     max_visit: int = MAX_VISIT,
 ) -> dict[str, Any]:
-    """The snapshot of `cache` (a `RadixCache`) as a JSON-ready dict: `nodes` (the root first,
+    """Both phases at once: `build_tree(capture_tree(cache, namespaces, max_visit), max_nodes)`."""
+    return build_tree(capture_tree(cache, namespaces, max_visit), max_nodes)
+
+
+def capture_tree(
+    cache: Any, namespaces: Iterable[int] | None = None, max_visit: int = MAX_VISIT
+) -> dict[str, Any]:
+    """The first phase, under the step lock: `rows` (a `Row` tuple a visited node, parents before
+    children), `sampled`, and the device blocks the cache holds (for what was not visited)."""
+    allowed = None if namespaces is None else set(namespaces)
+    root, clock = cache.root, cache._clock
+    rows = [(-1, 0, 0, 0, 0, 0, 0, 0, root.hits, clock - root.last_access, None)]
+    queue = deque((0, key, child) for key, child in root.children.items())
+    while queue and len(rows) < max_visit:
+        parent, key, node = queue.popleft()
+        if parent == 0:
+            namespace = namespace_of(node.tokens[0])
+            if allowed is not None and namespace not in allowed:
+                continue
+        else:
+            namespace = rows[parent][2]
+        index = len(rows)
+        rows.append(
+            (
+                parent,
+                key,
+                namespace,
+                len(node.tokens),
+                node.start,
+                len(node.blocks),
+                len(node.host_blocks),
+                node.lock_ref,
+                node.hits,
+                clock - node.last_access,
+                node.session,
+            )
+        )
+        queue.extend((index, k, c) for k, c in node.children.items())
+    return {
+        "rows": rows,
+        "sampled": bool(queue),
+        "device_blocks": cache.evictable_size + cache.protected_size,
+    }
+
+
+def build_tree(captured: dict[str, Any], max_nodes: int = MAX_NODES) -> dict[str, Any]:
+    """The second phase, anywhere: the snapshot as a JSON-ready dict: `nodes` (the root first,
     each with `id`, `parent`, `tokens`, `start`, `blocks`, `host_blocks`, `tier`, `refs`, `hits`,
     `age`, `session`, and `subtree_tokens`), `sampled`, `visited`, `unvisited_blocks`, and
     `namespaces` / `sessions` (blocks per hashed namespace and per hashed session)."""
-    allowed = None if namespaces is None else set(namespaces)
-    root = cache.root
-    order: list[Any] = []  # visited nodes, parents before children
-    queue = deque([root])
-    while queue and len(order) < max_visit:
-        node = queue.popleft()
-        order.append(node)
-        for child in node.children.values():
-            if node is root and allowed is not None and namespace_of(child.tokens[0]) not in allowed:
-                continue
-            queue.append(child)
-    sampled = bool(queue)
-    visited = set(map(id, order))
-    below: dict[int, tuple[int, int]] = {}  # id(node) -> (tokens, blocks) in its visited subtree
-    for node in reversed(order):
-        inner = [below.get(id(c), (0, 0)) for c in node.children.values()]
-        tokens, blocks = sum(t for t, _ in inner), sum(b for _, b in inner)
-        below[id(node)] = (len(node.tokens) + tokens, len(node.blocks) + blocks)
-    ns_of = {id(c): namespace_of(c.tokens[0]) for c in root.children.values()}
-    kept = _choose(root, below, visited, max_nodes)
-    names = {id(root): digest(b"root")}
+    rows = [Row(*r) for r in captured["rows"]]
+    children: list[list[int]] = [[] for _ in rows]
+    for i, row in enumerate(rows[1:], 1):
+        children[row.parent].append(i)
+    tokens_below, blocks_below, host_below = ([0] * len(rows) for _ in range(3))
+    for i in range(len(rows) - 1, -1, -1):  # children come after their parents
+        tokens_below[i] += rows[i].tokens
+        blocks_below[i] += rows[i].blocks
+        host_below[i] += rows[i].host_blocks
+        if i:
+            tokens_below[rows[i].parent] += tokens_below[i]
+            blocks_below[rows[i].parent] += blocks_below[i]
+            host_below[rows[i].parent] += host_below[i]
+    kept = _choose(children, tokens_below, max_nodes)
+    names = [""] * len(rows)
+    names[0] = digest(b"root")
     nodes, by_ns, by_session = [], Counter(), Counter()
-    for node in order:
-        if id(node) not in kept:
+    for i, row in enumerate(rows):
+        if i not in kept:
             continue
-        if node is not root:
-            edge = array("q", node.tokens).tobytes()
-            names[id(node)] = digest(names[id(node.parent)].encode() + edge)
-        nodes.append(_describe(cache, node, names, below))
-        if node is not root:
-            ns = ns_of.setdefault(id(node), ns_of.get(id(node.parent), 0))
-            by_ns[digest(ns.to_bytes(8, "little"), 4) if ns else "unsalted"] += len(node.blocks)
-            if node.session is not None:
-                by_session[digest(node.session.encode(), 4)] += len(node.blocks)
-        hidden = [c for c in node.children.values() if id(c) in visited and id(c) not in kept]
+        if i:
+            names[i] = digest(names[row.parent].encode() + row.key.to_bytes(8, "little"))
+            ns = row.namespace
+            by_ns[digest(ns.to_bytes(8, "little"), 4) if ns else "unsalted"] += row.blocks
+            if row.session is not None:
+                by_session[digest(row.session.encode(), 4)] += row.blocks
+        nodes.append(_describe(row, names[i], names[row.parent] if i else None, tokens_below[i]))
+        hidden = [c for c in children[i] if c not in kept]
         if hidden:
-            nodes.append(_other(names[id(node)], node, hidden, below))
-    device_blocks = cache.evictable_size + cache.protected_size
-    seen_blocks = sum(len(n.blocks) for n in order)
+            below = (tokens_below, blocks_below, host_below)
+            nodes.append(_other(names[i], row, hidden, rows, below))
+    seen_blocks = blocks_below[0]
+    sampled = captured["sampled"]
     return {
         "nodes": nodes,
         "sampled": sampled,
-        "visited": len(order),
-        "unvisited_blocks": max(0, device_blocks - seen_blocks) if sampled else 0,
+        "visited": len(rows),
+        "unvisited_blocks": max(0, captured["device_blocks"] - seen_blocks) if sampled else 0,
         "namespaces": dict(by_ns.most_common(32)),
         "sessions": dict(by_session.most_common(32)),
     }
 
 
-def _choose(root: Any, below: dict[int, tuple[int, int]], visited: set[int], max_nodes: int) -> set[int]:
+def _choose(children: list[list[int]], tokens_below: list[int], max_nodes: int) -> set[int]:
     """Best first from the root by tokens under a node: each kept node's parent is kept."""
     kept: set[int] = set()
-    heap = [(-below[id(root)][0], 0, root)]
-    tie = 1
+    heap = [(-tokens_below[0], 0)]
     while heap and len(kept) < max_nodes:
-        _, _, node = heapq.heappop(heap)
-        kept.add(id(node))
-        for child in node.children.values():
-            if id(child) in visited:
-                heapq.heappush(heap, (-below[id(child)][0], tie, child))
-                tie += 1
+        _, i = heapq.heappop(heap)
+        kept.add(i)
+        for c in children[i]:
+            heapq.heappush(heap, (-tokens_below[c], c))
     return kept
 
 
-def _describe(
-    cache: Any, node: Any, names: dict[int, str], below: dict[int, tuple[int, int]]
-) -> dict[str, Any]:
-    device, host = len(node.blocks), len(node.host_blocks)
+def _tier(device: int, host: int) -> str:
+    if device and host:
+        return "device+host"
+    return "device" if device else "host" if host else "none"
+
+
+def _describe(row: Row, name: str, parent: str | None, subtree_tokens: int) -> dict[str, Any]:
     return {
-        "id": names[id(node)],
-        "parent": names[id(node.parent)] if node.parent is not None else None,
-        "tokens": len(node.tokens),
-        "start": node.start,
-        "subtree_tokens": below[id(node)][0],
-        "blocks": device,
-        "host_blocks": host,
-        "tier": "device"
-        if device and not host
-        else "host"
-        if host and not device
-        else "device+host"
-        if device
-        else "none",
-        "refs": node.lock_ref if node.parent is not None else 0,
-        "hits": node.hits,
-        "age": cache._clock - node.last_access,
-        "session": digest(node.session.encode(), 4) if node.session is not None else None,
+        "id": name,
+        "parent": parent,
+        "tokens": row.tokens,
+        "start": row.start,
+        "subtree_tokens": subtree_tokens,
+        "blocks": row.blocks,
+        "host_blocks": row.host_blocks,
+        "tier": _tier(row.blocks, row.host_blocks),
+        "refs": row.refs,
+        "hits": row.hits,
+        "age": row.age,
+        "session": digest(row.session.encode(), 4) if row.session is not None else None,
     }
 
 
 def _other(
-    parent_name: str, node: Any, hidden: list[Any], below: dict[int, tuple[int, int]]
+    parent: str,
+    row: Row,
+    hidden: list[int],
+    rows: list[Row],
+    below: tuple[list[int], list[int], list[int]],
 ) -> dict[str, Any]:
-    tokens = sum(below[id(c)][0] for c in hidden)
+    """The hidden children of a kept node, with everything under them, as one entry."""
+    tokens_below, blocks_below, host_below = below
+    tokens = sum(tokens_below[c] for c in hidden)
     return {
-        "id": parent_name + ":other",
-        "parent": parent_name,
+        "id": parent + ":other",
+        "parent": parent,
         "tokens": tokens,
-        "start": node.end,
+        "start": row.start + row.tokens,
         "subtree_tokens": tokens,
-        "blocks": sum(below[id(c)][1] for c in hidden),
-        "host_blocks": sum(len(c.host_blocks) for c in hidden),
+        "blocks": sum(blocks_below[c] for c in hidden),
+        "host_blocks": sum(host_below[c] for c in hidden),
         "tier": "other",
         "refs": 0,
-        "hits": sum(c.hits for c in hidden),
+        "hits": sum(rows[c].hits for c in hidden),
         "age": 0,
         "session": None,
         "other": len(hidden),

@@ -35,6 +35,7 @@ from typing import Any
 
 from radixkv.chat_session import AsyncChatSession
 from radixkv.config import EngineConfig
+from radixkv.dashboard.cache_view import finish_view
 from radixkv.engine.core import EngineCore
 from radixkv.engine.input_processor import Prompt
 from radixkv.engine.process.core_client import CoreClient
@@ -192,8 +193,9 @@ class AsyncEngine:
         return self.core.metrics_text()
 
     def dashboard(self, namespaces: list[int] | None = None) -> dict:
-        """The dashboard's view of the core (`EngineCore.dashboard`); blocks for the step in flight."""
-        return self.core.dashboard(namespaces)
+        """The dashboard's view of the core: captured between its steps (`EngineCore.dashboard`;
+        blocks for the step in flight), finished here (`radixkv.dashboard.cache_view`)."""
+        return finish_view(self.core.dashboard(namespaces))
 
     def check_invariants(self) -> None:
         """As `Engine.check_invariants`; blocks the caller for at most the step in flight."""

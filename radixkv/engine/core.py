@@ -44,7 +44,7 @@ from radixkv.cache.kv_cache_manager import BlockTable, KVCacheManager
 from radixkv.cache.kv_groups import kv_groups
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.config import EngineConfig
-from radixkv.dashboard.cache_view import cache_view
+from radixkv.dashboard.cache_view import capture_view
 from radixkv.engine.input_processor import InputProcessor
 from radixkv.engine.intake import RequestIntake
 from radixkv.engine.metrics import EngineMetrics
@@ -304,9 +304,10 @@ class EngineCore(RequestIntake, RequestResults):
         return prometheus_text(self.metrics())
 
     def dashboard(self, namespaces: list[int] | None = None) -> dict:
-        """What `/dashboard` shows, built between steps (`radixkv.dashboard.cache_view`)."""
+        """What `/dashboard` shows, captured between steps; the caller finishes it
+        (`radixkv.dashboard.cache_view`: the step waits only for the capture)."""
         with self._lock:
-            return cache_view(self, namespaces)
+            return capture_view(self, namespaces)
 
     def check_invariants(self) -> None:
         """Every block, reference and lock accounted for, and every live table held by a running

@@ -18,9 +18,16 @@ For each N (`--streams`, default 16, 32, 128, 256) and mode, in a fresh server:
 - `delivered_tok_s`: tokens the clients received per second over the same window, and what an
   unhindered step would deliver (N / idle period);
 - `health_p99_ms`: the 99th percentile latency of `/health`, probed every 20 ms meanwhile;
+- `mean_period_ms`: the window's mean step interval, which a few long steps move and the median
+  does not;
 - `span_tok_s` and `span_period_ms`: the same over the whole streaming span (first token received
   to last), which exists even when a slow front end delivers the last first token after the
   first finish (the window above is then empty: `period_ms` None, `delivered_tok_s` 0).
+
+`--dashboard-poll HZ` runs each case twice in a row, without and then with a client that polls
+`/dashboard/data` HZ times a second meanwhile, as an open `/dashboard` page does (4: the page's
+rate); the second case has `dashboard_hz`, `dashboard_polls` and `dashboard_p99_ms` (the poll's
+latency), and the report's `dashboard` lists each pair's period with the page / without.
 The clients run in this process, the server in a child: the clients' own work never takes the
 server's lock. Step times come from the child (`time.monotonic`, shared by both processes on
 Linux), written to a file as each step ends, by whichever process steps.
@@ -81,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the core's process to these CPUs (a comma list), everything else to the others",
     )
+    parser.add_argument(
+        "--dashboard-poll",
+        type=float,
+        default=None,
+        metavar="HZ",
+        help="also run each case with /dashboard/data polled HZ times a second (an open page: 4)",
+    )
     parser.add_argument("--json", action="store_true", help="print only a JSON object")
 
 
@@ -88,32 +102,73 @@ def run(args: argparse.Namespace) -> int:
     streams = args.streams or list(DEFAULT_STREAMS)
     if min(streams) < 1 or args.tokens < 8 or args.device_ms < 0:
         raise ValueError("--streams must be >= 1, --tokens >= 8 and --device-ms >= 0")
+    if args.dashboard_poll is not None and not args.dashboard_poll > 0:
+        raise ValueError(f"--dashboard-poll must be > 0, got {args.dashboard_poll}")
+    polls = [None] if args.dashboard_poll is None else [None, args.dashboard_poll]
     modes = args.mode or list(MODES)
     if args.engine_cpus:
         allowed = os.sched_getaffinity(0)
         if not args.engine_cpus < allowed:
             raise ValueError(f"--engine-cpus must be some, not all, of CPUs {sorted(allowed)}")
         pin_process(allowed - args.engine_cpus)  # the clients, and the children until they move
-    cases = []
+    cases, pairs = [], []
     for n in streams:
         for mode in modes:
-            case = measure(n, args.tokens, args.device_ms, MODES[mode], args.engine_cpus)
-            cases.append(case)
-            if not args.json:
-                print(format_case(case), flush=True)
+            pair = []
+            for poll_hz in polls:
+                case = measure(n, args.tokens, args.device_ms, MODES[mode], args.engine_cpus, poll_hz)
+                cases.append(case)
+                pair.append(case)
+                if not args.json:
+                    print(format_case(case), flush=True)
+            if len(pair) == 2:
+                pairs.append(dashboard_cost(*pair))
+                if not args.json:
+                    cost = pairs[-1]
+                    print(
+                        f"  step with the dashboard polled / without: median {_ratio(cost['period_ratio'])}, "
+                        f"mean {_ratio(cost['mean_period_ratio'])}"
+                    )
     if args.json:
         cpus = sorted(args.engine_cpus) if args.engine_cpus else None
         report = {"device_ms": args.device_ms, "tokens": args.tokens, "engine_cpus": cpus, "cases": cases}
+        if pairs:
+            report["dashboard"] = pairs
         print(json.dumps(report, indent=2))
     return 0
 
 
+def dashboard_cost(without: dict[str, Any], polled: dict[str, Any]) -> dict[str, Any]:
+    """What an open page cost one case: the all-decoding window's step period with it over
+    without, as the median (`period_ratio`) and the mean (`mean_period_ratio`, which counts the
+    steps a snapshot delays, however few) of the step intervals; None where a window is empty."""
+
+    def ratio(key: str) -> float | None:
+        return polled[key] / without[key] if without[key] and polled[key] else None
+
+    return {
+        "streams": without["streams"],
+        "mode": without["mode"],
+        "period_ratio": ratio("period_ms"),
+        "mean_period_ratio": ratio("mean_period_ms"),
+    }
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
 def measure(
-    streams: int, tokens: int, device_ms: float, engine_process: bool, engine_cpus: set[int] | None = None
+    streams: int,
+    tokens: int,
+    device_ms: float,
+    engine_process: bool,
+    engine_cpus: set[int] | None = None,
+    poll_hz: float | None = None,
 ) -> dict[str, Any]:
     """One case in a fresh server child (see the module docstring), whose engine is pinned to
     `engine_cpus` when given; the clients run on this process's CPUs (`run` pins them to the
-    others)."""
+    others). With `poll_hz`, a client polls the dashboard's data that often meanwhile."""
     with tempfile.TemporaryDirectory() as folder:
         stats_path = Path(folder) / "stats.json"
         steps_path = Path(folder) / "steps.txt"
@@ -134,7 +189,7 @@ def measure(
             stdout=subprocess.DEVNULL,
         )
         try:
-            clients = asyncio.run(_clients(port, streams, tokens, child))
+            clients = asyncio.run(_clients(port, streams, tokens, child, poll_hz))
             server_cpus = sorted(os.sched_getaffinity(child.pid))
         finally:
             child.send_signal(signal.SIGTERM)
@@ -146,13 +201,15 @@ def measure(
     start, end = clients["decode_window"]
     steps = [t for t in all_steps if start <= t <= end]
     period = _median_interval(steps)
+    mean_period = (steps[-1] - steps[0]) / (len(steps) - 1) if len(steps) > 1 else None
     span_period = _median_interval([t for t in all_steps if clients["span"][0] <= t <= clients["span"][1]])
-    return {
+    case = {
         "streams": streams,
         "mode": "core-process" if engine_process else "in-process",
         "idle_period_ms": idle * 1e3,
         "period_ms": period * 1e3 if period else None,
         "period_ratio": period / idle if period and idle else None,
+        "mean_period_ms": mean_period * 1e3 if mean_period else None,
         "delivered_tok_s": clients["delivered_tok_s"],
         "unhindered_tok_s": streams / idle if idle else None,
         "health_p99_ms": clients["health_p99_s"] * 1e3,
@@ -162,6 +219,14 @@ def measure(
         "engine_cpus": engine_cpus_seen,
         "server_cpus": server_cpus,
     }
+    if poll_hz is not None:
+        polls = clients["dashboard_polls"]
+        case |= {
+            "dashboard_hz": poll_hz,
+            "dashboard_polls": len(polls),
+            "dashboard_p99_ms": _percentile(polls, 99) * 1e3,
+        }
+    return case
 
 
 def format_case(case: dict[str, Any]) -> str:
@@ -173,18 +238,23 @@ def format_case(case: dict[str, Any]) -> str:
     span = "n/a"
     if case["span_period_ms"] is not None:
         span = f"{case['span_period_ms']:.2f} ms ({case['span_period_ms'] / case['idle_period_ms']:.2f}x)"
+    page = ""
+    if "dashboard_hz" in case:
+        page = f"; dashboard polled {case['dashboard_polls']}x, p99 {case['dashboard_p99_ms']:.1f} ms"
     return (
         f"{case['streams']:>4} streams, {case['mode']:>12}: step {case['idle_period_ms']:.2f} ms idle, "
         f"{period} streaming; {delivered} tok/s delivered of {case['unhindered_tok_s']:,.0f}; "
         f"/health p99 {case['health_p99_ms']:.1f} ms; whole span: "
-        f"{case['span_tok_s']:,.0f} tok/s, step {span}"
+        f"{case['span_tok_s']:,.0f} tok/s, step {span}{page}"
     )
 
 
 # ------------------------------------------------------------------------------ the clients
 
 
-async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen) -> dict[str, Any]:
+async def _clients(
+    port: int, streams: int, tokens: int, child: subprocess.Popen, poll_hz: float | None = None
+) -> dict[str, Any]:
     import httpx
 
     base = f"http://127.0.0.1:{port}"
@@ -192,10 +262,12 @@ async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen
     async with httpx.AsyncClient(base_url=base, timeout=120.0, limits=limits) as http:
         await _wait_healthy(http, child)
         done = asyncio.Event()
-        health = asyncio.create_task(_probe_health(http, done))
+        health = asyncio.create_task(_probe(http, "/health", HEALTH_EVERY_S, done))
+        page = asyncio.create_task(_probe(http, "/dashboard/data", 1 / poll_hz, done)) if poll_hz else None
         results = await asyncio.gather(*(_stream(http, i, tokens) for i in range(streams)))
         done.set()
         latencies = await health
+        polls = await page if page is not None else []
     first_tokens = [r[0] for r in results]
     finishes = [r[1] for r in results]
     counts = [r[2] for r in results]
@@ -211,6 +283,7 @@ async def _clients(port: int, streams: int, tokens: int, child: subprocess.Popen
         "span_tok_s": sum(counts) / (span[1] - span[0]) if span[1] > span[0] else 0.0,
         "delivered_tok_s": received / seconds if seconds > 0 else 0.0,
         "health_p99_s": _percentile(latencies, 99),
+        "dashboard_polls": polls,
     }
 
 
@@ -253,13 +326,14 @@ async def _stream(http: Any, index: int, tokens: int) -> tuple[float, float, int
     return times[0], times[-1], len(times), times
 
 
-async def _probe_health(http: Any, done: asyncio.Event) -> list[float]:
+async def _probe(http: Any, path: str, every_s: float, done: asyncio.Event) -> list[float]:
+    """GETs `path` every `every_s` until `done`: each answer's latency."""
     latencies = []
     while not done.is_set():
         start = time.monotonic()
-        (await http.get("/health")).raise_for_status()
+        (await http.get(path)).raise_for_status()
         latencies.append(time.monotonic() - start)
-        await asyncio.sleep(HEALTH_EVERY_S)
+        await asyncio.sleep(every_s)
     return latencies
 
 
