@@ -38,3 +38,34 @@ def test_engine_cpus_pin_the_stepping_thread_and_leave_the_rest_the_others(engin
     assert case["engine_cpus"] == sorted(engine)
     assert case["server_cpus"] == sorted(engine if not engine_process else allowed)
     assert os.sched_getaffinity(0) == allowed  # measure itself pins nothing here (`run` does)
+
+
+@pytest.mark.slow
+def test_dashboard_poll_runs_each_case_with_and_without_a_page(capsys):
+    """`--dashboard-poll`: a pair of cases a setting, the second polled, and their ratio."""
+    import json
+
+    from radixkv.cli import main
+
+    args = [
+        "bench",
+        "serve",
+        "--streams",
+        "3",
+        "--tokens",
+        "96",
+        "--device-ms",
+        "5",
+        "--mode",
+        "core-process",
+    ]
+    assert main([*args, "--dashboard-poll", "20", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    without, polled = report["cases"]
+    assert "dashboard_hz" not in without and polled["dashboard_hz"] == 20
+    assert polled["dashboard_polls"] >= 2 and polled["dashboard_p99_ms"] > 0  # 96 steps of 5 ms or more
+    (cost,) = report["dashboard"]
+    assert cost["measured"] == "window"
+    assert cost["period_ratio"] == pytest.approx(polled["period_ms"] / without["period_ms"])
+    assert cost["mean_period_ratio"] == pytest.approx(polled["mean_period_ms"] / without["mean_period_ms"])
+    assert without["mean_period_ms"] >= 5.0

@@ -36,6 +36,7 @@ NOT_RUN = {
     "README.md": 5,
     "docs/benchmarks.md": 3,
     "docs/cache.md": 2,
+    "docs/dashboard.md": 2,
     "docs/getting-started.md": 3,
     "docs/kv-quantization.md": 4,
     "docs/kv-store.md": 1,
