@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from radixkv import AsyncEngine, EngineConfig
-from radixkv.server import handlers
+from radixkv.server import engine_inputs, handlers
 from radixkv.server.app import build_app
 
 KW = {"block_size": 4, "kv_cache_memory": "8MiB", "max_num_batched_tokens": 64, "max_num_seqs": 8}
@@ -140,8 +140,8 @@ def test_health_answers_while_large_bodies_are_refused_and_long_prompts_are_toke
 def test_prompt_text_that_cannot_fit_is_refused_before_tokenizing(server, monkeypatch):
     limit = server.app.state.radixkv.max_prompt_chars
     calls = []
-    real = handlers._prompt_ids
-    monkeypatch.setattr(handlers, "_prompt_ids", lambda *a: calls.append(1) or real(*a))
+    real = engine_inputs._prompt_ids
+    monkeypatch.setattr(engine_inputs, "_prompt_ids", lambda *a: calls.append(1) or real(*a))
     small = Server.__new__(Server)  # the fixture's limit of 64 KiB bodies is below the text size
     small.loop, small.engine = server.loop, server.engine
     small.app = build_app(server.engine, "tiny", max_request_bytes=4 * limit, session_idle_timeout_s=0)

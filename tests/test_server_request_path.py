@@ -141,20 +141,12 @@ def walk_of(folder: Path, endpoint: str, body: dict[str, Any]) -> list[str]:
     return asyncio.run(main())
 
 
-# The measure of issue 48, not yet met: today a chat body walks 44 stays in 11 rooms (32 in 9
-# streamed), a completion 32 in 9 (22 in 7 streamed)
-# (the failure message draws the walk). Strict, so that meeting it turns this into a failure to fix.
-NOT_YET = pytest.mark.xfail(strict=True, reason="issue 48: the server's request path is not restructured yet")
-
-
-@NOT_YET
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_chat_body_walks_the_server_in_at_most_12_stays_and_6_rooms(model_folders, stream):
     stays = walk_of(model_folders["llama"], "chat/completions", {**CHAT, "stream": stream})
     assert len(stays) <= 12 and len(set(stays)) <= 6, " -> ".join(stays)
 
 
-@NOT_YET
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_completion_body_walks_the_server_in_at_most_12_stays_and_6_rooms(model_folders, stream):
     stays = walk_of(model_folders["llama"], "completions", {**COMPLETION, "stream": stream})

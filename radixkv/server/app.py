@@ -124,15 +124,23 @@ def build_app(
         except ValidationError as e:
             raise from_validation(e) from e
 
+    async def generation(
+        request: Request, model: type[CompletionRequest | ChatCompletionRequest]
+    ) -> Response:
+        """The door of the generation endpoints: the key, the body (parsed and checked), the
+        model, and the request's cache namespace; then `handlers.create`."""
+        key = state.authorize(request.headers.get("authorization"))
+        body = await parse(request, model)
+        state.check_model(body.model)
+        return await handlers.create(state, request, body, state.cache_salt(key, body.cache_salt))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        key = state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await parse(request, CompletionRequest), key)
+        return await generation(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        key = state.authorize(request.headers.get("authorization"))
-        return await handlers.create(state, request, await parse(request, ChatCompletionRequest), key)
+        return await generation(request, ChatCompletionRequest)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

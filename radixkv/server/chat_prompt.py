@@ -7,17 +7,21 @@ cached prefix at the first reply. So the server keeps the generated ids of its r
 keyed by their text (`ReplyStore`), and renders a conversation with each known reply's ids
 spliced in its place (`render_chat`), as `ChatSession` does in process. Turn k then extends
 turn k-1's prompt and reply token for token, and finds them all in the prefix cache.
+
+Also what a chat template takes: the messages (`template_message`: assistant tool calls with
+their arguments as objects, a tool reply with its call's id) and the tools (`template_tools`).
+`render` is the chat endpoints' one call into this room, in a worker thread.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any
 
 from radixkv.conversation import render_chat
 from radixkv.server.errors import APIError
-from radixkv.server.protocol import ChatMessage
-from radixkv.server.tools import template_message
+from radixkv.server.protocol import ChatMessage, Tool
 
 
 class ReplyStore:
@@ -69,3 +73,54 @@ def chat_prompt_ids(
         and (ids := replies.get(m["content"], namespace))
     }
     return render_chat(tokenizer, shown, known, tools)
+
+
+def render(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    replies: ReplyStore,
+    namespace: str | None,
+    tools: list[Tool] | None,
+    limit: tuple[int | None, int],
+) -> tuple[list[int], list[dict[str, Any]] | None]:
+    """A chat request's prompt ids, and its tools as the template took them (None without).
+    First a check that needs neither template nor tokenizer: `limit` is (`max_prompt_chars`,
+    `max_model_len`), and text longer than the first is a 400 naming `messages`."""
+    chars = sum(len(m.content or "") for m in messages)
+    max_chars, max_model_len = limit
+    if max_chars is not None and chars > max_chars:
+        raise APIError.text_too_long("messages", chars, max_model_len)
+    shown = template_tools(tools) if tools else None
+    return chat_prompt_ids(tokenizer, messages, replies, namespace, shown), shown
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """`tools` as a chat template takes them."""
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as a chat template takes it: assistant tool calls with their arguments as
+    objects (Qwen2.5's template writes them with `tojson`), a tool reply with its call's id."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # rendered as the string it is

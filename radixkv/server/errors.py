@@ -39,6 +39,15 @@ class APIError(Exception):
     def bad_request(cls, param: str | None, message: str) -> APIError:
         return cls(400, message, param=param)
 
+    @classmethod
+    def text_too_long(cls, param: str, chars: int, max_model_len: int) -> APIError:
+        """A 400 naming `param`, whose text is too long to fit the model whatever its tokens."""
+        return cls.bad_request(
+            param,
+            f"{param} has {chars} characters: more than {max_model_len} tokens "
+            f"(max_model_len) can spell, so it cannot fit",
+        )
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

@@ -13,7 +13,7 @@ whose stream closes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -122,20 +122,20 @@ class ChoiceStreams:
         cls,
         engine: Any,
         prompts: list[list[int]],
-        make_params: Callable[[int], SamplingParams],
-        n: int,
+        per_sample: list[SamplingParams],
         request_id: str,
         tags: Tags,
     ) -> ChoiceStreams:
-        """Choice `j * n + i` streams prompt j with `make_params(i)`, every one with `tags`.
-        Raises ValueError on bad input."""
+        """Choice `j * n + i` streams prompt j with `per_sample[i]` (n of them), every one with
+        `tags`. Raises ValueError on bad input."""
+        n = len(per_sample)
         streams = [
             (
                 j * n + i,
-                engine.stream(p, make_params(i), request_id=f"{request_id}-{j}-{i}", **tags.engine_kwargs()),
+                engine.stream(p, params, request_id=f"{request_id}-{j}-{i}", **tags.engine_kwargs()),
             )
             for j, p in enumerate(prompts)
-            for i in range(n)
+            for i, params in enumerate(per_sample)
         ]
         return cls(streams, sum(len(p) for p in prompts))
 

@@ -1,8 +1,10 @@
 """The two generation endpoints, from a checked body to a response, whole or as Server-Sent Events.
 
-The path of a request: authorize, parse (strict types), refuse unsupported fields and unknown
-models, build the prompt ids (chat: the template with known replies spliced in), build the
-engine params (a ValueError names the field: 400), admit (503 when full), run. A non-streamed
+The path of a request: at the door (`app`), authorize, parse (strict types, unsupported fields
+refused), refuse unknown models, and find its cache namespace; here, its engine inputs in one
+pass (`engine_inputs.prepare`: the prompt ids, the chat template with known replies spliced in,
+the engine params; a ValueError names the field: 400), admit (503 when full), run, and format
+the answer (`responses.Formatter`, made once the engine has the request). A non-streamed
 request races its client: when the client disconnects first, the work is cancelled, which aborts
 its engine requests. A streamed request is ended the same way by Starlette, which cancels the
 stream when the client disconnects (`EventStream` then releases it). The admission count is
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -22,22 +23,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixkv.errors import EngineDeadError, RequestError
-from radixkv.sampling_params import SamplingParams, sample_seed
-from radixkv.server.chat_prompt import chat_prompt_ids
+from radixkv.server.engine_inputs import Inputs, prepare, renames
 from radixkv.server.errors import APIError, engine_param
-from radixkv.server.generation import ChoiceStreams, Finished, Tags, run_beam_search, run_sampling
-from radixkv.server.params import Structured, beam_params, max_tokens, renames, sampling_params, structured
-from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from radixkv.server.generation import ChoiceStreams, Finished, run_beam_search, run_sampling
+from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixkv.server.request_ids import request_id as scope_request_id
 from radixkv.server.responses import Choice, Formatter
 from radixkv.server.state import ServerState
-from radixkv.server.tools import ToolStream, template_tools
+from radixkv.server.tools import ToolStream
 from radixkv.server.tools import parse as parse_tool_calls
-from radixkv.structured.grammar import GrammarError
 
 log = logging.getLogger("radixkv.server")
-
-COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
 class Streamed(NamedTuple):
@@ -55,10 +51,10 @@ async def create(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    key: str | None = None,
+    namespace: str | None = None,
 ) -> Response:
-    """`key`: the API key the request came with (its cache namespace under per-key isolation)."""
-    answer = await run(state, request, body, key)
+    """`namespace`: the request's cache namespace (`ServerState.cache_salt` of its key and body)."""
+    answer = await run(state, request, body, namespace)
     if isinstance(answer, Streamed):
         return EventStream(_sse_lines(answer.chunks), answer.end)
     return answer if isinstance(answer, Response) else JSONResponse(answer)
@@ -68,138 +64,62 @@ async def run(
     state: ServerState,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    key: str | None = None,
+    namespace: str | None = None,
 ) -> dict[str, Any] | Streamed | Response:
     """The answer to `body`: the whole body, a stream of chunks not yet sent, or (the client went
     away) a bare 499. Other endpoints that translate to these two (`/v1/responses`) reshape it."""
-    body.check_supported()
-    state.check_model(body.model)
-    chat = isinstance(body, ChatCompletionRequest)
     engine = state.engine
     if not engine.is_alive():
         raise _engine_dead()
-    asked = None if body.use_beam_search else structured(body)  # beam_params refuses it
-    if asked is not None:
-        await _compile(engine, asked)
-    spec = asked.spec if asked is not None else None
-    tools = template_tools(body.tools) if chat and body.tools and body.tool_choice != "none" else None
-    tags = Tags(body.session_id, state.cache_salt(key, body.cache_salt))
-    # Templates and tokenization run in worker threads, after a length check that needs neither:
-    # the event loop stays free for every other client however long a prompt is.
-    if chat:
-        state.check_text_length(sum(len(m.text) for m in body.messages), "messages")
-        render = (chat_prompt_ids, engine.tokenizer, body.messages, state.replies, tags.cache_salt, tools)
-        prompts = [await asyncio.to_thread(*render)]
-        default = max(1, engine.max_model_len - len(prompts[0]))
-    else:
-        for p in body.prompts:
-            if isinstance(p, str):
-                state.check_text_length(len(p), "prompt")
-        prompts = await asyncio.to_thread(lambda: [_prompt_ids(engine, p) for p in body.prompts])
-        default = COMPLETIONS_MAX_TOKENS
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    echo = not chat and body.echo
-    fmt = Formatter(
-        request_id,
-        chat,
-        state.model_name,
-        engine.tokenizer,
-        body.return_tokens_as_token_ids,
-        echo=echo,
-        echo_top=body.logprobs if echo else None,
-        prompt_top=body.prompt_logprobs,
-    )
-    tokens = max_tokens(body, default)
-    scoring = echo and tokens == 0  # prompt scoring: the engine makes one token, then it is dropped
-    if scoring:
-        if body.min_tokens:
-            raise APIError.bad_request("min_tokens", "min_tokens needs max_tokens of at least min_tokens")
-        tokens = 1
-    try:
-        if body.stream:
-            if body.n > engine.config.max_num_seqs:  # as the engine refuses n > max_num_seqs unstreamed
-                raise ValueError(f"n {body.n} exceeds max_num_seqs {engine.config.max_num_seqs}")
-            seed = body.seed
-
-            def sample_params(i: int) -> SamplingParams:
-                return sampling_params(
-                    body, tokens, n=1, seed=None if seed is None else sample_seed(seed, i), spec=spec
-                )
-
-            streams = ChoiceStreams.open(
-                engine,
-                prompts,
-                sample_params,
-                body.n,
-                request_id,
-                tags,
-            )
-        else:
-            if body.use_beam_search:
-                params = beam_params(body, tokens)
-            else:
-                params = sampling_params(body, tokens, spec=spec)
-    except ValueError as e:
-        raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
-    count = len(prompts) * body.n  # sequences: every prompt's samples or beams wait for a slot
-    state.admit(count, body.session_id, param="n" if body.n > 1 else "prompt")
+    inputs = await prepare(state, body, namespace)
     if body.stream:
-        events = _events(
-            state,
-            streams,
-            fmt,
-            body.include_usage,
-            chat,
-            scope_request_id(request.scope),
-            tags,
-            continuous=body.continuous_usage,
-            tools=tools is not None,
-            max_calls=None if tools is None or body.parallel_tool_calls else 1,
-            named=_named(body) if tools is not None else None,
-        )
+        try:
+            streams = ChoiceStreams.open(
+                engine, inputs.prompts, inputs.per_sample, inputs.request_id, inputs.tags
+            )
+        except ValueError as e:
+            raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
+        state.admit(inputs.sequences, body.session_id, param=inputs.admit_param)
 
         async def end_stream() -> None:
-            state.release(count, body.session_id)
+            state.release(inputs.sequences, body.session_id)
             await streams.aclose()
 
-        return Streamed(events, end_stream)
+        return Streamed(_events(state, streams, _formatter(state, inputs), inputs, request.scope), end_stream)
+    state.admit(inputs.sequences, body.session_id, param=inputs.admit_param)
     run = run_beam_search if body.use_beam_search else run_sampling
-    work = run(engine, prompts, params, request_id, tags)
+    work = run(engine, inputs.prompts, inputs.params, inputs.request_id, inputs.tags)
     try:
-        checked = _engine_errors(work, body, scope_request_id(request.scope))
+        checked = _engine_errors(work, body, request.scope)
         finished = await _unless_disconnected(request, checked)
     finally:
-        state.release(count, body.session_id)
+        state.release(inputs.sequences, body.session_id)
     if finished is None:
-        log.info("%s: the client disconnected; its requests were aborted", request_id)
+        log.info("%s: the client disconnected; its requests were aborted", inputs.request_id)
         return Response(status_code=499)
-    if scoring:
+    if inputs.scoring:
         _drop_generated(finished)
-    if chat and state.replies is not None:
+    if inputs.chat and state.replies is not None:
         for choice in finished.choices:
-            state.replies.add(choice.text, choice.token_ids, tags.cache_salt)
-    if tools is not None:
+            state.replies.add(choice.text, choice.token_ids, inputs.tags.cache_salt)
+    if inputs.tools:
         for choice in finished.choices:
-            _take_tool_calls(choice, None if body.parallel_tool_calls else 1, _named(body))
-    return fmt.response(finished.choices, finished.usage)
+            _take_tool_calls(choice, inputs.max_calls, inputs.named)
+    return _formatter(state, inputs).response(finished.choices, finished.usage)
 
 
-async def _compile(engine: Any, asked: Structured) -> None:
-    """Compiles (and so caches, for the engine) the body's grammar in a worker thread: an
-    invalid schema, regex or grammar is a 400 naming the field that asked for it. A tool's
-    schema is compiled alone first, so its error is a 400 naming `tools` and the schema, in
-    the user's terms; the tool-call grammar around it is the server's and is never quoted."""
-    for where, part in asked.parts:
-        try:
-            await asyncio.to_thread(engine.grammars.check, part)
-        except GrammarError as e:
-            raise APIError.bad_request("tools", f"{where} does not compile: {e.reason}") from e
-    try:
-        await asyncio.to_thread(engine.grammars.check, asked.spec)
-    except GrammarError as e:
-        raise APIError.bad_request(asked.field, f"{asked.field} does not compile: {e.reason}") from e
-    except ValueError as e:
-        raise APIError.bad_request(asked.field, str(e)) from e
+def _formatter(state: ServerState, inputs: Inputs) -> Formatter:
+    """The answer's formatter, made once the engine has the request."""
+    return Formatter(
+        inputs.request_id,
+        inputs.chat,
+        state.model_name,
+        state.engine.tokenizer,
+        inputs.as_token_ids,
+        echo=inputs.echo,
+        echo_top=inputs.echo_top,
+        prompt_top=inputs.prompt_top,
+    )
 
 
 def _drop_generated(finished: Finished) -> None:
@@ -214,11 +134,6 @@ def _drop_generated(finished: Finished) -> None:
     finished.usage.completion_tokens = 0
 
 
-def _named(body: ChatCompletionRequest) -> str | None:
-    """The function a `tool_choice` names, if it names one."""
-    return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-
-
 def _take_tool_calls(choice: Choice, max_calls: int | None, named: str | None) -> None:
     """The reply's tool calls out of its text (`tools.parse`, at most `max_calls`; a reply cut
     by `max_tokens` keeps its partial call and finishes with "length"); a reply that made calls
@@ -231,17 +146,10 @@ def _take_tool_calls(choice: Choice, max_calls: int | None, named: str | None) -
             choice.finish_reason = "tool_calls"
 
 
-def _prompt_ids(engine: Any, prompt: str | list[int]) -> str | list[int]:
-    """Text is tokenized here as the engine would (so the stream's usage knows its length);
-    ids and text for a model without a tokenizer go to the engine as they are."""
-    if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
-        return engine.tokenizer.encode(prompt, add_special_tokens=False)
-    return prompt
-
-
-async def _engine_errors(work: Awaitable[Finished], body: Any, rid: str) -> Finished:
+async def _engine_errors(work: Awaitable[Finished], body: Any, scope: Any) -> Finished:
     """Engine errors as API errors: a ValueError names the field (400), a failed step is a 500
-    (its cause logged under the request id, not sent), a dead engine a 503."""
+    (its cause logged under the id of the HTTP request of ASGI `scope`, not sent), a dead engine
+    a 503."""
     try:
         return await work
     except ValueError as e:
@@ -249,7 +157,7 @@ async def _engine_errors(work: Awaitable[Finished], body: Any, rid: str) -> Fini
     except RequestError as e:
         if isinstance(e.__cause__, EngineDeadError):  # the core died under it
             raise _engine_dead() from e
-        raise _step_failed(e, rid) from e
+        raise _step_failed(e, scope_request_id(scope)) from e
     except EngineDeadError as e:
         raise _engine_dead() from e
 
@@ -290,24 +198,15 @@ async def _disconnect(request: Request) -> None:
 
 
 async def _events(
-    state: ServerState,
-    streams: ChoiceStreams,
-    fmt: Formatter,
-    include_usage: bool,
-    chat: bool,
-    rid: str,
-    tags: Tags,
-    *,
-    continuous: bool = False,
-    tools: bool = False,
-    max_calls: int | None = None,
-    named: str | None = None,
+    state: ServerState, streams: ChoiceStreams, fmt: Formatter, inputs: Inputs, scope: Any
 ) -> AsyncIterator[dict[str, Any] | str]:
     """The SSE body's payloads: a chunk each time a choice's tokens come, with their text or their
     logprobs (one token's, or several when the front end lags behind the engine: `ChoiceStreams`), each
-    with the usage so far when `continuous`, then the usage chunk if asked for, then `[DONE]`. With
-    `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
-    engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it."""
+    with the usage so far when `continuous_usage`, then the usage chunk if asked for, then `[DONE]`.
+    With `tools`, each choice's text goes through a `ToolStream`: content, and tool-call deltas. An
+    engine failure mid-stream is sent as an error event, then `[DONE]`, as vLLM ends it; its log
+    line has the id of the HTTP request of ASGI `scope`."""
+    chat, tools, max_calls, named = inputs.chat, inputs.tools, inputs.max_calls, inputs.named
     opened: set[int] = set()
     parsers: dict[int, ToolStream] = {}
     texts: dict[int, list[str]] = {}
@@ -332,19 +231,19 @@ async def _events(
                 continue  # held back (part of a character, or maybe a stop string or tool call)
             choice = Choice(index, text, finish, logprobs, tool_calls=calls)
             chunk = fmt.chunk(choice, first=chat and index not in opened)
-            if continuous:
+            if inputs.continuous_usage:
                 chunk["usage"] = streams.usage.as_dict()
             yield chunk
             opened.add(index)
-        if include_usage:
+        if inputs.include_usage:
             yield fmt.usage_chunk(streams.usage)
         yield DONE
         if chat and state.replies is not None:
             for index, pieces in texts.items():
-                state.replies.add("".join(pieces), ids[index], tags.cache_salt)
+                state.replies.add("".join(pieces), ids[index], inputs.tags.cache_salt)
     except RequestError as e:
         dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
-        yield (_engine_dead() if dead else _step_failed(e, rid)).body()
+        yield (_engine_dead() if dead else _step_failed(e, scope_request_id(scope))).body()
         yield DONE
     except EngineDeadError:
         yield _engine_dead().body()

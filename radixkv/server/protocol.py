@@ -16,15 +16,15 @@ Extras beside OpenAI's fields, spelled as vLLM spells them: `top_k`, `ignore_eos
 a turn of that chat session, for the `session` eviction policy; `radixkv.server.sessions`),
 `cache_salt` (the request shares cached blocks only with requests of the same salt), and
 `structured_outputs` (with its older spellings `guided_json`, `guided_regex`, `guided_choice`).
-Structured output (`response_format` too) and tools are turned into engine params by
-`radixkv.server.params.structured` and `radixkv.server.tools`.
+The checks that need the whole body (`check_supported`) run as it is parsed. Structured output
+(`response_format` too) and tools are turned into engine params by `radixkv.server.engine_inputs`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from radixkv.excerpt import excerpt
 from radixkv.sampling_params import INT64_MAX, SEED_RANGE
@@ -126,6 +126,13 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
+    @model_validator(mode="after")
+    def _supported(self) -> _Common:
+        """At the door, as the body is parsed: `check_supported` (an `APIError` is no
+        `ValueError`, so pydantic lets it through as it is: a 400 naming the field)."""
+        self.check_supported()
+        return self
+
     def check_supported(self) -> None:
         """Raises a 400 naming the first field set to something radixkv cannot honour."""
         if self.stream_options is not None and not self.stream:
@@ -136,18 +143,6 @@ class _Common(BaseModel):
             raise APIError.bad_request(
                 "stream", "beam search returns finished beams only: set stream to false"
             )
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):
@@ -172,14 +167,6 @@ class CompletionRequest(_Common):
             raise APIError.bad_request("best_of", "best_of is not supported (use n, or use_beam_search)")
         super().check_supported()
 
-    @property
-    def prompts(self) -> list[str | list[int]]:
-        """The batch: one prompt per entry. An empty list is one empty prompt (the engine says why)."""
-        p = self.prompt
-        if isinstance(p, str) or not p or isinstance(p[0], int):
-            return [p]
-        return list(p)
-
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -202,6 +189,8 @@ class ToolCallIn(_Part):
 
 
 class ChatMessage(BaseModel):
+    """One message; `content` given as text parts is their text joined, as templates take it."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -210,11 +199,10 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this answers
 
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    @field_validator("content", mode="after")
+    @classmethod
+    def _joined(cls, content: str | list[TextPart] | None) -> str | None:
+        return "".join(part.text for part in content) if isinstance(content, list) else content
 
 
 class FunctionDef(_Part):

@@ -206,10 +206,12 @@ _RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_fo
 
 
 async def create(state: ServerState, request: Request, body: ResponsesRequest, key: str | None) -> Response:
-    """The answer to `body`, whole or streamed; `key` as for `handlers.run`."""
+    """The answer to `body`, whole or streamed, sent with API key `key` (None without keys)."""
     body.check_supported()
     try:
-        answer = await handlers.run(state, request, body.as_chat(), key)
+        chat = body.as_chat()
+        state.check_model(chat.model)
+        answer = await handlers.run(state, request, chat, state.cache_salt(key, chat.cache_salt))
     except APIError as e:
         if e.param in _RENAMES:
             e.param = _RENAMES[e.param]

@@ -56,6 +56,14 @@ class SessionTracker:
     def __len__(self) -> int:
         return len(self._open)
 
+    def admit(self, session_id: str | None) -> None:
+        """The server admits a request: the sessions idle past the timeout close (here as well
+        as on the server's timer, for an app run without its lifespan: a replica), then the
+        request's session, if it has one, begins."""
+        self.expire()
+        if session_id is not None:
+            self.begin(session_id)
+
     def begin(self, session_id: str) -> None:
         """A request of the session starts: it is open (again), and not closing any more."""
         entry = self._open.pop(session_id, None) or _Open()

@@ -67,15 +67,6 @@ class ServerState:
     max_prompt_chars: int | None = None  # longer text cannot fit max_model_len (`prompt_char_limit`)
     cache_isolation: str = "shared"  # "per-key": each API key is a cache namespace of its own
 
-    def check_text_length(self, chars: int, param: str) -> None:
-        """A 400 naming `param` for prompt text too long to fit the model whatever its tokens."""
-        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
-            raise APIError.bad_request(
-                param,
-                f"{param} has {chars} characters: more than {self.engine.max_model_len} tokens "
-                f"(max_model_len) can spell, so it cannot fit",
-            )
-
     def authorize(self, header: str | None) -> str | None:
         """The key of `Authorization: Bearer <key>`, or a 401 unless it is one of the server's
         (None when the server has no keys). Every key is compared, in constant time each."""
@@ -129,9 +120,7 @@ class ServerState:
             )
         self.in_flight += sequences
         if self.sessions is not None:
-            self.sessions.expire()  # here too, for an app run without its lifespan (a replica)
-            if session_id is not None:
-                self.sessions.begin(session_id)
+            self.sessions.admit(session_id)
 
     def release(self, sequences: int, session_id: str | None = None) -> None:
         self.in_flight -= sequences

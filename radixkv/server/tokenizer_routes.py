@@ -23,11 +23,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixkv.model.tokenizer_threads import PerThreadTokenizer
-from radixkv.server.chat_prompt import chat_prompt_ids
+from radixkv.server.chat_prompt import chat_prompt_ids, template_tools
 from radixkv.server.errors import APIError
 from radixkv.server.protocol import ChatMessage, Tool
 from radixkv.server.state import ServerState
-from radixkv.server.tools import template_tools
 
 
 class TokenizeRequest(BaseModel):

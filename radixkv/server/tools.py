@@ -8,14 +8,14 @@ are kept as the exact JSON text the model wrote (so a stream's fragments add up 
 that does not parse stays in the content, as the model wrote it.
 
 `tool_choice` `required` and a named function do not trust the model: the reply is constrained
-by a grammar (`forced_grammar`: the block around a JSON object whose name is the tool's and whose
-arguments follow its `parameters` schema; with `required`, any one tool's), so it always parses.
-`auto` parses whatever the model wrote. `ToolStream` does the same on a stream: content as it
-comes (a possible `<tool_call>` start held back), then per call a first delta with its index, id
-and name and then its argument text in fragments, as OpenAI streams them. (A stream cannot take back what
-it sent: a block that breaks after its name went out stays a call, with the argument text sent
-so far, where the whole reply would keep the block as content. With `required` or a named
-function the grammar rules that out.)
+by a grammar (`engine_inputs.forced_grammar`: the block around a JSON object whose name is the
+tool's and whose arguments follow its `parameters` schema; with `required`, any one tool's), so
+it always parses. `auto` parses whatever the model wrote. `ToolStream` does the same on a
+stream: content as it comes (a possible `<tool_call>` start held back), then per call a first
+delta with its index, id and name and then its argument text in fragments, as OpenAI streams
+them. (A stream cannot take back what it sent: a block that breaks after its name went out
+stays a call, with the argument text sent so far, where the whole reply would keep the block as
+content. With `required` or a named function the grammar rules that out.)
 
 A reply cut by `max_tokens` inside a block is answered as vLLM answers it: finish "length" with
 the partial call (its name and the argument text so far) in `tool_calls`, whole or streamed, and
@@ -29,8 +29,6 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-
-from radixkv.server.protocol import ChatMessage, NamedToolChoice, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -124,61 +122,6 @@ def parse(
             calls.append(ToolCall(named, ""))
     text = ("".join(content) + rest).strip()
     return ParsedReply(text or None, calls)
-
-
-def forced_grammar(tools: list[Tool], choice: str | NamedToolChoice) -> str:
-    """The Lark grammar (llguidance's, `%json` embedding a schema) of one call: to the named
-    function, or with `required` to any of `tools`."""
-    chosen = [
-        t for t in tools if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name
-    ]
-    schemas = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object", "properties": {}},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in chosen
-    ]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema["x-guidance"] = {"whitespace_flexible": False}
-    return f"start: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}"
-
-
-def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
-    """`tools` as a chat template takes them."""
-    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
-
-
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """One message as a chat template takes it: assistant tool calls with their arguments as
-    objects (Qwen2.5's template writes them with `tojson`), a tool reply with its call's id."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # rendered as the string it is
 
 
 @dataclass(slots=True)
