@@ -52,6 +52,7 @@ from radixkv.cluster.router_metrics import RouterCounters, replica_exposition, r
 from radixkv.conversation import render_chat
 from radixkv.router import NoReplicaAvailable, Router
 from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from radixkv.server.engine_inputs import prompt_batch
 from radixkv.server.errors import APIError
 from radixkv.server.prometheus import CONTENT_TYPE
 from radixkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -274,11 +275,11 @@ class RouterService:
                 chat = ChatCompletionRequest.model_validate_json(body)
                 if self.tokenizer is None or self.tokenizer.chat_template is None:
                     return []
-                messages = [{"role": m.role, "content": m.text} for m in chat.messages]
+                messages = [{"role": m.role, "content": m.content or ""} for m in chat.messages]
                 offset = salt_offset(cache_namespace(key, chat.cache_salt))
                 return salted(render_chat(self.tokenizer, messages, {}), offset)
             completion = CompletionRequest.model_validate_json(body)
-            prompt = completion.prompts[0]
+            prompt = prompt_batch(completion)[0]
         except (ValidationError, APIError, ValueError, IndexError):
             return []
         if not isinstance(prompt, list):

@@ -76,7 +76,7 @@ async def prepare(state: ServerState, body: Body, namespace: str | None) -> Inpu
         prompts, default = [ids], max(1, engine.max_model_len - len(ids))
     else:
         shown = None
-        prompts = _prompts(body)
+        prompts = prompt_batch(body)
         for p in prompts:
             if isinstance(p, str) and limit[0] is not None and len(p) > limit[0]:
                 raise APIError.text_too_long("prompt", len(p), limit[1])
@@ -127,7 +127,7 @@ async def prepare(state: ServerState, body: Body, namespace: str | None) -> Inpu
     )
 
 
-def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+def prompt_batch(body: CompletionRequest) -> list[str | list[int]]:
     """The batch: one prompt per entry. An empty list is one empty prompt (the engine says why)."""
     p = body.prompt
     if isinstance(p, str) or not p or isinstance(p[0], int):
