@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.block_table import BlockTable
 from radixkv.cache.kv_groups import sliding_keep_from
 from radixkv.errors import InvariantError
@@ -46,27 +47,10 @@ class KVInvariants:
                         raise InvariantError(f"{node} lock_ref, tables hold {locks[node.id]}")
                     if node.host_pin != pins[node.id]:
                         raise InvariantError(f"{node} host_pin, swapped holds {pins[node.id]}")
-        free = self.pool.free_blocks()
-        if len(set(free)) != len(free):
-            raise InvariantError("a block is on the free list twice")
-        for b in range(self.pool.num_blocks):
-            count = self.pool.refcount(b)
-            if count != refs[b]:
-                raise InvariantError(f"block {b}: refcount {count}, but {refs[b]} references are held")
-        if set(free) != {b for b in range(self.pool.num_blocks) if refs[b] == 0}:
-            raise InvariantError("free list is wrong")
+        check_pool(self.pool, refs, "block")
         host = self.cache.host if self.cache is not None else None
         if host is not None:
-            held = Counter(self.cache.referenced_host_blocks())
-            host_free = host.pool.free_blocks()
-            if len(set(host_free)) != len(host_free):
-                raise InvariantError("a host block is on the free list twice")
-            for b in range(host.pool.num_blocks):
-                count = host.pool.refcount(b)
-                if count != held[b]:
-                    raise InvariantError(f"host block {b}: refcount {count}, but {held[b]} nodes hold it")
-            if set(host_free) != {b for b in range(host.pool.num_blocks) if not held[b]}:
-                raise InvariantError("host free list is wrong")
+            check_pool(host.pool, Counter(self.cache.referenced_host_blocks()), "host block")
 
     def _check_groups(self, t: BlockTable, refs: Counter[int]) -> None:
         """Every group's table is as long as group 0's and holds every block its window needs."""
@@ -81,3 +65,17 @@ class KVInvariants:
             if self.null_block in t.blocks:
                 raise InvariantError(f"{t} lists the null block in group 0")
             refs.update(b for b in e if b != self.null_block)
+
+
+def check_pool(pool: BlockPool, held: Counter[int], what: str) -> None:
+    """`pool`'s refcounts are the references `held` counts, and its free list is exactly the
+    blocks nobody holds, each once; `what` names its blocks in the error ("block", "host block")."""
+    free = pool.free_blocks()
+    if len(set(free)) != len(free):
+        raise InvariantError(f"a {what} is on the free list twice")
+    for b in range(pool.num_blocks):
+        count = pool.refcount(b)
+        if count != held[b]:
+            raise InvariantError(f"{what} {b}: refcount {count}, but {held[b]} references are held")
+    if set(free) != {b for b in range(pool.num_blocks) if not held[b]}:
+        raise InvariantError(f"the {what} free list is wrong")
