@@ -103,7 +103,7 @@ def test_snapshot_cache_coalesces_refreshes_by_age_and_scope_and_survives_failur
         }
 
     async def scenario():
-        cache = SnapshotCache(fetch, max_age_s=0.2)
+        cache = SnapshotCache(fetch, max_age_s=0.2, min_gap_s=0.05)
         waiters = [asyncio.ensure_future(cache.get(None)) for _ in range(5)]
         other = asyncio.ensure_future(cache.get((7,)))
         await asyncio.sleep(0.05)
@@ -125,3 +125,52 @@ def test_snapshot_cache_coalesces_refreshes_by_age_and_scope_and_survives_failur
         assert len(history) == 2  # the call for scope (7,) came within max_age_s of the first
 
     asyncio.run(scenario())
+
+
+def test_engine_calls_stay_apart_however_many_scopes_are_watched():
+    """Fifty keys' pages at once: the engine is called `min_gap_s` apart, never all at once."""
+    times: list[float] = []
+
+    def fetch(namespaces):
+        times.append(time.monotonic())
+        return {"metrics": {"prefix_cache_queries": 0, "prefix_cache_hits": 0}, "blocks": {"device": {}}}
+
+    async def scenario() -> float:
+        cache = SnapshotCache(fetch, min_gap_s=0.02)
+        start = time.monotonic()
+        await asyncio.gather(*(cache.get((k,)) for k in range(50)))
+        return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert len(times) == 50
+    assert took >= 49 * 0.02  # each call waited its turn (load only makes it slower)
+
+
+def test_a_dead_engine_is_a_503_on_the_dashboard(per_key, monkeypatch):
+    monkeypatch.setattr(per_key.engine, "is_alive", lambda: False)
+    answer = data(per_key, "key-a")
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_keys_own_cache_salts_are_in_its_view_and_no_one_elses(per_key):
+    messages = [{"role": "user", "content": "salted question, long enough to fill a few blocks"}]
+    client = per_key.client("key-a")
+    extra = {"cache_salt": "project-x"}
+    per_key.run(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
+    )
+    time.sleep(0.3)
+    a, b = data(per_key, "key-a").json(), data(per_key, "key-b").json()
+    assert sum(n["blocks"] for n in a["view"]["tree"]["nodes"]) > 0
+    assert len(a["view"]["tree"]["namespaces"]) == 1  # the salted namespace, A's own
+    assert [n["parent"] for n in b["view"]["tree"]["nodes"]] == [None]
+
+
+def test_policy_state_has_no_window_while_adaptive_runs_gdsf():
+    from radixkv.cache.eviction import make_policy
+    from radixkv.cache.miniature import GDSF_SETTING
+    from radixkv.dashboard.cache_view import policy_state
+
+    adaptive = make_policy("adaptive")
+    adaptive.setting = GDSF_SETTING
+    assert policy_state(adaptive) == {"name": "adaptive", "window_share": None, "setting": "gdsf"}

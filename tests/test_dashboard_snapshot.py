@@ -9,7 +9,7 @@ import pytest
 from radixkv.cache.block_pool import BlockPool
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.salt import salt_offset, salted
-from radixkv.dashboard.snapshot import tree_snapshot
+from radixkv.dashboard.snapshot import capture_tree, digest, namespace_of, tree_snapshot
 
 
 def put(cache: RadixCache, tokens: list[int]) -> None:
@@ -56,11 +56,13 @@ def test_snapshot_is_bounded_and_sums_the_rest_into_other():
     for i in range(300):
         put(cache, [7, 7, 100 + i, 5, 6])
     snap = tree_snapshot(cache, max_nodes=50)
-    kept = [n for n in snap["nodes"] if n["tier"] != "other"]
-    assert len(kept) == 50
+    assert len(snap["nodes"]) == 50  # the root, the shared node, 47 branches and one `other`
+    (other,) = [n for n in snap["nodes"] if n["tier"] == "other"]
+    assert other["other"] == 300 - 47 and other["tokens"] == 3 and other["start"] == 2
     assert snap["nodes"][0]["subtree_tokens"] == 2 + 300 * 3
-    assert sum(n["tokens"] for n in snap["nodes"]) == 2 + 300 * 3
-    assert sum(n.get("other", 0) for n in snap["nodes"]) == 300 - 48
+    assert sum(n["subtree_tokens"] if "other" in n else n["tokens"] for n in snap["nodes"]) == 2 + 300 * 3
+    assert sum(n["blocks"] for n in snap["nodes"]) == cache.evictable_size  # nothing lost
+    assert snap["namespaces"] == {"unsalted": cache.evictable_size}  # counted over every node
 
 
 def test_namespace_filter_keeps_only_the_callers_namespace():
@@ -72,6 +74,72 @@ def test_namespace_filter_keeps_only_the_callers_namespace():
     assert only_b["nodes"][0]["subtree_tokens"] == 8
     assert list(only_b["namespaces"].values()) == [2]
     assert tree_snapshot(cache)["nodes"][0]["subtree_tokens"] == 24
+
+
+def naive_namespace_blocks(cache: RadixCache) -> dict[int, int]:
+    """Device blocks per namespace, by a walk of every node (`namespace_of` its root child)."""
+    out: dict[int, int] = {}
+    for child in cache.root.children.values():
+        ns = namespace_of(child.tokens[0])
+        stack = [child]
+        while stack:
+            node = stack.pop()
+            out[ns] = out.get(ns, 0) + len(node.blocks)
+            stack.extend(node.children.values())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_snapshot_bounds_hold_and_every_block_is_accounted_for(seed):
+    """Random trees of several namespaces and sessions, random bounds: never more entries than
+    `max_nodes` nor rows than `max_visit`; `sampled` exactly when the walk could not look at every
+    node; the blocks shown (`other` entries included) and the unvisited ones add up to the cache's,
+    and the namespace counts are a naive walk's whenever the walk saw everything."""
+    rng = random.Random(seed)
+    cache = RadixCache(BlockPool(8192, 4))
+    salts = [None, "a", "b", "c"][: rng.randrange(1, 5)]
+    for _ in range(rng.randrange(5, 120)):
+        salt = rng.choice(salts)
+        shared = [rng.randrange(1, 30) for _ in range(rng.choice([0, 4, 8]))]
+        seq = shared + [rng.randrange(1, 3000) for _ in range(rng.randrange(1, 14))]
+        put(cache, salted(seq, salt_offset(salt)))
+    max_nodes, max_visit = rng.randrange(2, 80), rng.randrange(2, 300)
+    total = sum(1 for _ in cache.nodes())
+    device = cache.evictable_size + cache.protected_size
+    snap = tree_snapshot(cache, max_nodes=max_nodes, max_visit=max_visit)
+    nodes = snap["nodes"]
+    assert len(nodes) <= max_nodes and snap["visited"] <= max_visit
+    assert snap["sampled"] == (total > max_visit)
+    seen = {n["id"] for n in nodes[:1]}
+    for n in nodes[1:]:
+        assert n["parent"] in seen  # one connected tree, parents first
+        seen.add(n["id"])
+    assert sum(n["blocks"] for n in nodes) + snap["unvisited_blocks"] == device
+    naive = naive_namespace_blocks(cache)
+    if not snap["sampled"]:
+        hashed = {
+            digest(ns.to_bytes(8, "little"), 4) if ns else "unsalted": b for ns, b in naive.items() if b
+        }
+        assert {k: v for k, v in snap["namespaces"].items() if v} == hashed
+    salt = rng.choice(salts)
+    mine = tree_snapshot(cache, [salt_offset(salt)], max_nodes=max_nodes, max_visit=max_visit)
+    assert mine["visited"] <= max_visit
+    if mine["sampled"]:
+        assert mine["unvisited_blocks"] is None  # the filtered part's total is not known
+    else:
+        assert sum(n["blocks"] for n in mine["nodes"]) == naive.get(salt_offset(salt), 0)
+
+
+def test_a_root_of_many_tenants_costs_the_walk_no_more_than_its_bound():
+    """Another tenant's root children count against `max_visit` though they are passed over."""
+    cache = RadixCache(BlockPool(8192, 4))
+    for i in range(1000):
+        put(cache, salted([1 + i % 50, 2, 3, 4, 5], salt_offset(f"tenant-{i}")))
+    put(cache, salted([9, 9, 9, 9], salt_offset("me")))
+    snap = tree_snapshot(cache, [salt_offset("me")], max_visit=100)
+    assert snap["visited"] <= 100 and snap["sampled"]
+    captured = capture_tree(cache, [salt_offset("me")], max_visit=100)
+    assert len(captured["rows"]) <= 100
 
 
 @pytest.mark.slow

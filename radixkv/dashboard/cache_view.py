@@ -45,9 +45,10 @@ def finish_view(captured: dict[str, Any]) -> dict[str, Any]:
 
 
 def policy_state(policy: Any) -> dict[str, Any]:
-    """The eviction policy's name, and for `adaptive` its window share and current setting."""
+    """The eviction policy's name, and for `adaptive` its current setting and window share (None
+    while it runs GDSF, which has no window)."""
     state: dict[str, Any] = {"name": getattr(policy, "name", type(policy).__name__.lower())}
     if hasattr(policy, "window_share"):
-        state["window_share"] = policy.window_share
+        state["window_share"] = policy.window_share if policy.setting.window is not None else None
         state["setting"] = policy.setting.name
     return state

@@ -81,20 +81,17 @@ def capture_tree(
     cache: Any, namespaces: Iterable[int] | None = None, max_visit: int = MAX_VISIT
 ) -> dict[str, Any]:
     """The first phase, under the step lock: `rows` (a `Row` tuple a visited node, parents before
-    children), `sampled`, and the device blocks the cache holds (for what was not visited)."""
+    children), `sampled`, `filtered`, and the device blocks the cache holds (for what was not
+    visited). The walk looks at most `max_visit` nodes, visited or passed over: a root child of
+    another namespace counts too, so a root of many tenants' prompts costs no more."""
     allowed = None if namespaces is None else set(namespaces)
     root, clock = cache.root, cache._clock
     rows = [(-1, 0, 0, 0, 0, 0, 0, 0, root.hits, clock - root.last_access, None)]
-    queue = deque((0, key, child) for key, child in root.children.items())
-    while queue and len(rows) < max_visit:
-        parent, key, node = queue.popleft()
-        if parent == 0:
-            namespace = namespace_of(node.tokens[0])
-            if allowed is not None and namespace not in allowed:
-                continue
-        else:
-            namespace = rows[parent][2]
-        index = len(rows)
+    queue: deque[tuple[int, int, Any]] = deque()
+    looked = 1  # nodes looked at, the root first
+
+    def visit(parent: int, key: int, node: Any, namespace: int) -> None:
+        queue.extend((len(rows), k, c) for k, c in node.children.items())
         rows.append(
             (
                 parent,
@@ -110,10 +107,24 @@ def capture_tree(
                 node.session,
             )
         )
-        queue.extend((index, k, c) for k, c in node.children.items())
+
+    top = iter(root.children.items())  # the first level first, read lazily: a wide root is not copied
+    for key, node in top:
+        looked += 1
+        namespace = namespace_of(node.tokens[0])
+        if allowed is None or namespace in allowed:
+            visit(0, key, node, namespace)
+        if looked >= max_visit:
+            break
+    while queue and looked < max_visit:
+        parent, key, node = queue.popleft()
+        looked += 1
+        visit(parent, key, node, rows[parent][2])
+    sampled = bool(queue) or next(top, None) is not None
     return {
         "rows": rows,
-        "sampled": bool(queue),
+        "sampled": sampled,
+        "filtered": allowed is not None,
         "device_blocks": cache.evictable_size + cache.protected_size,
     }
 
@@ -121,58 +132,98 @@ def capture_tree(
 def build_tree(captured: dict[str, Any], max_nodes: int = MAX_NODES) -> dict[str, Any]:
     """The second phase, anywhere: the snapshot as a JSON-ready dict: `nodes` (the root first,
     each with `id`, `parent`, `tokens`, `start`, `blocks`, `host_blocks`, `tier`, `refs`, `hits`,
-    `age`, `session`, and `subtree_tokens`), `sampled`, `visited`, `unvisited_blocks`, and
-    `namespaces` / `sessions` (blocks per hashed namespace and per hashed session)."""
+    `age`, `session`, and `subtree_tokens`), at most `max_nodes` of them `other` entries included;
+    `sampled`, `visited`, `unvisited_blocks` (None under a namespace filter, where the filtered
+    part's total is not known without the walk), and `namespaces` / `sessions` (device blocks per
+    hashed namespace and per hashed session, over every visited node).
+
+    Queues of the breadth-first walk put whole levels before deeper ones, so queue order is a
+    topological order: each row's parent comes before it."""
     rows = [Row(*r) for r in captured["rows"]]
+    n = len(rows)
     children: list[list[int]] = [[] for _ in rows]
     for i, row in enumerate(rows[1:], 1):
         children[row.parent].append(i)
-    tokens_below, blocks_below, host_below = ([0] * len(rows) for _ in range(3))
-    for i in range(len(rows) - 1, -1, -1):  # children come after their parents
-        tokens_below[i] += rows[i].tokens
-        blocks_below[i] += rows[i].blocks
-        host_below[i] += rows[i].host_blocks
+    tokens_below, blocks_below, host_below, hits_below = ([0] * n for _ in range(4))
+    deepest = [row.start + row.tokens for row in rows]  # the furthest token position under a node
+    by_ns, by_session = Counter(), Counter()
+    for i in range(n - 1, -1, -1):  # children come after their parents
+        row = rows[i]
+        tokens_below[i] += row.tokens
+        blocks_below[i] += row.blocks
+        host_below[i] += row.host_blocks
+        hits_below[i] += row.hits
         if i:
-            tokens_below[rows[i].parent] += tokens_below[i]
-            blocks_below[rows[i].parent] += blocks_below[i]
-            host_below[rows[i].parent] += host_below[i]
+            p = row.parent
+            tokens_below[p] += tokens_below[i]
+            blocks_below[p] += blocks_below[i]
+            host_below[p] += host_below[i]
+            hits_below[p] += hits_below[i]
+            deepest[p] = max(deepest[p], deepest[i])
+            by_ns[digest(row.namespace.to_bytes(8, "little"), 4) if row.namespace else "unsalted"] += (
+                row.blocks
+            )
+            if row.session is not None:
+                by_session[digest(row.session.encode(), 4)] += row.blocks
     kept = _choose(children, tokens_below, max_nodes)
-    names = [""] * len(rows)
+    names = [""] * n
     names[0] = digest(b"root")
-    nodes, by_ns, by_session = [], Counter(), Counter()
+    nodes = []
+    below = _Below(tokens_below, blocks_below, host_below, hits_below, deepest)
     for i, row in enumerate(rows):
         if i not in kept:
             continue
         if i:
             names[i] = digest(names[row.parent].encode() + row.key.to_bytes(8, "little"))
-            ns = row.namespace
-            by_ns[digest(ns.to_bytes(8, "little"), 4) if ns else "unsalted"] += row.blocks
-            if row.session is not None:
-                by_session[digest(row.session.encode(), 4)] += row.blocks
         nodes.append(_describe(row, names[i], names[row.parent] if i else None, tokens_below[i]))
         hidden = [c for c in children[i] if c not in kept]
         if hidden:
-            below = (tokens_below, blocks_below, host_below)
             nodes.append(_other(names[i], row, hidden, rows, below))
-    seen_blocks = blocks_below[0]
-    sampled = captured["sampled"]
+    sampled, filtered = captured["sampled"], captured["filtered"]
+    unvisited = 0
+    if sampled:
+        unvisited = None if filtered else max(0, captured["device_blocks"] - blocks_below[0])
     return {
         "nodes": nodes,
         "sampled": sampled,
-        "visited": len(rows),
-        "unvisited_blocks": max(0, captured["device_blocks"] - seen_blocks) if sampled else 0,
+        "visited": n,
+        "unvisited_blocks": unvisited,
         "namespaces": dict(by_ns.most_common(32)),
         "sessions": dict(by_session.most_common(32)),
     }
 
 
+class _Below(NamedTuple):
+    """Per row, over its subtree: tokens, device blocks, host blocks, hits, deepest position."""
+
+    tokens: list[int]
+    blocks: list[int]
+    host: list[int]
+    hits: list[int]
+    deepest: list[int]
+
+
 def _choose(children: list[list[int]], tokens_below: list[int], max_nodes: int) -> set[int]:
-    """Best first from the root by tokens under a node: each kept node's parent is kept."""
-    kept: set[int] = set()
-    heap = [(-tokens_below[0], 0)]
-    while heap and len(kept) < max_nodes:
+    """Best first from the root by tokens under a node, each kept node's parent kept, while the
+    entries shown (the kept nodes, and one `other` entry for each with a child not kept) stay
+    within `max_nodes`."""
+    kept = {0}
+    unkept = [len(c) for c in children]  # children not kept yet, per row
+    entries = 1 + (unkept[0] > 0)
+    parent = [0] * len(children)
+    for i, kids in enumerate(children):
+        for c in kids:
+            parent[c] = i
+    heap = [(-tokens_below[c], c) for c in children[0]]
+    heapq.heapify(heap)
+    while heap:
         _, i = heapq.heappop(heap)
+        more = entries + 1 + (unkept[i] > 0) - (unkept[parent[i]] == 1)
+        if more > max_nodes:
+            break
         kept.add(i)
+        entries = more
+        unkept[parent[i]] -= 1
         for c in children[i]:
             heapq.heappush(heap, (-tokens_below[c], c))
     return kept
@@ -201,28 +252,23 @@ def _describe(row: Row, name: str, parent: str | None, subtree_tokens: int) -> d
     }
 
 
-def _other(
-    parent: str,
-    row: Row,
-    hidden: list[int],
-    rows: list[Row],
-    below: tuple[list[int], list[int], list[int]],
-) -> dict[str, Any]:
-    """The hidden children of a kept node, with everything under them, as one entry."""
-    tokens_below, blocks_below, host_below = below
-    tokens = sum(tokens_below[c] for c in hidden)
+def _other(parent: str, row: Row, hidden: list[int], rows: list[Row], below: _Below) -> dict[str, Any]:
+    """The hidden children of a kept node, with everything under them, as one entry: as long
+    (`tokens`) as the deepest of them reaches, its share of the parent's band (`subtree_tokens`)
+    their tokens together, their blocks and hits summed, the age of the most recent."""
+    end = row.start + row.tokens
     return {
         "id": parent + ":other",
         "parent": parent,
-        "tokens": tokens,
-        "start": row.start + row.tokens,
-        "subtree_tokens": tokens,
-        "blocks": sum(blocks_below[c] for c in hidden),
-        "host_blocks": sum(host_below[c] for c in hidden),
+        "tokens": max(below.deepest[c] for c in hidden) - end,
+        "start": end,
+        "subtree_tokens": sum(below.tokens[c] for c in hidden),
+        "blocks": sum(below.blocks[c] for c in hidden),
+        "host_blocks": sum(below.host[c] for c in hidden),
         "tier": "other",
         "refs": 0,
-        "hits": sum(rows[c].hits for c in hidden),
-        "age": 0,
+        "hits": sum(below.hits[c] for c in hidden),
+        "age": min(rows[c].age for c in hidden),
         "session": None,
         "other": len(hidden),
     }

@@ -2,10 +2,11 @@
 
 With API keys, both need one: as `Authorization: Bearer <key>`, or as `?key=` (a browser cannot
 set a header when it opens a page; the page then keeps the key and sends it as the header).
-Under `--cache-isolation per-key` a key's view holds only its own namespace's part of the tree
-(and the per-session and per-namespace counts over that part); the counters and block totals are
-the server's, as `/metrics` shows them to anyone. Nothing in either reveals content: the tree
-snapshot names nodes by keyed hashes (`radixkv.dashboard.snapshot`).
+Under `--cache-isolation per-key` a key's view holds only its own namespaces' part of the tree:
+the key's own, and those its latest requests named with a `cache_salt` (`ServerState.cache_salt`
+remembers them), with the per-session and per-namespace counts over that part. The counters and
+block totals are the server's, as `/metrics` shows them to anyone. Nothing in either reveals
+content: the tree snapshot names nodes by keyed hashes (`radixkv.dashboard.snapshot`).
 
 The data is the engine's `dashboard` view through a `SnapshotCache`: however many pages poll,
 the engine is asked at most once per `MAX_AGE_S` per scope, off the event loop.
@@ -21,6 +22,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from radixkv.cache.salt import salt_offset
 from radixkv.dashboard.page import CSP, dashboard_page
 from radixkv.dashboard.snapshot_cache import MAX_AGE_S, Scope, SnapshotCache
+from radixkv.errors import EngineDeadError
+from radixkv.server.errors import APIError
 from radixkv.server.state import ServerState
 
 POLL_MS = int(MAX_AGE_S * 1000)
@@ -37,7 +40,7 @@ def add_dashboard_routes(app: FastAPI, state: ServerState) -> SnapshotCache:
             header = "Bearer " + request.query_params["key"]
         key = state.authorize(header)
         if state.cache_isolation == "per-key" and key is not None:
-            return (salt_offset(state.cache_salt(key, None)),)
+            return tuple(salt_offset(ns) for ns in state.namespaces_of(key))
         return None
 
     @app.get("/dashboard")
@@ -49,10 +52,16 @@ def add_dashboard_routes(app: FastAPI, state: ServerState) -> SnapshotCache:
     @app.get("/dashboard/data")
     async def dashboard_data(request: Request) -> JSONResponse:
         chosen = scope(request)
+        if not state.engine.is_alive():
+            raise APIError.engine_dead()
+        try:
+            view = await snapshots.get(chosen)
+        except EngineDeadError as e:  # it died meanwhile
+            raise APIError.engine_dead() from e
         body: dict[str, Any] = {
             "model": state.model_name,
             "scope": "all" if chosen is None else "namespace",
-            "view": await snapshots.get(chosen),
+            "view": view,
             "history": snapshots.history.as_list(),
         }
         return JSONResponse(body, headers=NO_STORE)

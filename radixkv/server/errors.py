@@ -40,6 +40,16 @@ class APIError(Exception):
         return cls(400, message, param=param)
 
     @classmethod
+    def engine_dead(cls) -> APIError:
+        """The 503 of a server whose engine has stopped (its loop died, or its core's process)."""
+        return cls(
+            503,
+            "the engine is not running; the server is going down",
+            type="server_error",
+            code="engine_dead",
+        )
+
+    @classmethod
     def text_too_long(cls, param: str, chars: int, max_model_len: int) -> APIError:
         """A 400 naming `param`, whose text is too long to fit the model whatever its tokens."""
         return cls.bad_request(

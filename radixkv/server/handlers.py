@@ -70,7 +70,7 @@ async def run(
     away) a bare 499. Other endpoints that translate to these two (`/v1/responses`) reshape it."""
     engine = state.engine
     if not engine.is_alive():
-        raise _engine_dead()
+        raise APIError.engine_dead()
     inputs = await prepare(state, body, namespace)
     if body.stream:
         try:
@@ -156,10 +156,10 @@ async def _engine_errors(work: Awaitable[Finished], body: Any, scope: Any) -> Fi
         raise APIError.bad_request(engine_param(str(e), renames(body)), str(e)) from e
     except RequestError as e:
         if isinstance(e.__cause__, EngineDeadError):  # the core died under it
-            raise _engine_dead() from e
+            raise APIError.engine_dead() from e
         raise _step_failed(e, scope_request_id(scope)) from e
     except EngineDeadError as e:
-        raise _engine_dead() from e
+        raise APIError.engine_dead() from e
 
 
 def _step_failed(error: RequestError, rid: str) -> APIError:
@@ -173,11 +173,6 @@ def _step_failed(error: RequestError, rid: str) -> APIError:
         type="server_error",
         code="engine_step_failed",
     )
-
-
-def _engine_dead() -> APIError:
-    message = "the engine is not running; the server is going down"
-    return APIError(503, message, type="server_error", code="engine_dead")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Finished]) -> Finished | None:
@@ -243,10 +238,10 @@ async def _events(
                 state.replies.add("".join(pieces), ids[index], inputs.tags.cache_salt)
     except RequestError as e:
         dead = isinstance(e.__cause__, EngineDeadError)  # the core died under it
-        yield (_engine_dead() if dead else _step_failed(e, scope_request_id(scope))).body()
+        yield (APIError.engine_dead() if dead else _step_failed(e, scope_request_id(scope))).body()
         yield DONE
     except EngineDeadError:
-        yield _engine_dead().body()
+        yield APIError.engine_dead().body()
         yield DONE
 
 

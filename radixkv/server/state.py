@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.excerpt import excerpt
@@ -15,6 +16,7 @@ from radixkv.server.errors import APIError
 from radixkv.server.sessions import SessionTracker
 
 RETRY_AFTER_S = 1
+KEY_NAMESPACES = 64
 CACHE_ISOLATION = ("shared", "per-key")
 
 
@@ -66,6 +68,7 @@ class ServerState:
     created: int = 0  # when the model was loaded, for /v1/models
     max_prompt_chars: int | None = None  # longer text cannot fit max_model_len (`prompt_char_limit`)
     cache_isolation: str = "shared"  # "per-key": each API key is a cache namespace of its own
+    key_namespaces: dict[str, OrderedDict[str, None]] = field(default_factory=dict)  # `cache_salt`
 
     def authorize(self, header: str | None) -> str | None:
         """The key of `Authorization: Bearer <key>`, or a 401 unless it is one of the server's
@@ -84,8 +87,24 @@ class ServerState:
         return matched
 
     def cache_salt(self, key: str | None, requested: str | None) -> str | None:
-        """The request's cache namespace (`cache_namespace`) under this server's isolation."""
-        return cache_namespace(key if self.cache_isolation == "per-key" else None, requested)
+        """The request's cache namespace (`cache_namespace`) under this server's isolation.
+        Under per-key isolation, the namespaces a key's requests name with a `cache_salt` of their
+        own are remembered (the last `KEY_NAMESPACES` per key), so that its dashboard shows them."""
+        if self.cache_isolation != "per-key" or key is None:
+            return cache_namespace(None, requested)
+        namespace = cache_namespace(key, requested)
+        if requested is not None:
+            seen = self.key_namespaces.setdefault(key, OrderedDict())
+            seen[namespace] = None
+            seen.move_to_end(namespace)
+            if len(seen) > KEY_NAMESPACES:
+                seen.popitem(last=False)
+        return namespace
+
+    def namespaces_of(self, key: str) -> list[str]:
+        """The cache namespaces key `key` has used under per-key isolation: its own, and those of
+        its latest requests with a `cache_salt`."""
+        return [cache_namespace(key, None), *self.key_namespaces.get(key, ())]
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

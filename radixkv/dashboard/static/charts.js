@@ -136,6 +136,7 @@ const RK = (() => {
   // A Prometheus-style histogram ({buckets: {le: cumulative}, count}) as bars of each bucket.
   function histogram(container, hist, opts) {
     const o = Object.assign({ width: 460, height: 150, unit: "s" }, opts);
+    hist = hist || { buckets: {}, count: 0 };
     const root = svg(container, o.width, o.height);
     const bounds = Object.keys(hist.buckets || {}).map(Number);
     const cumulative = Object.values(hist.buckets || {});

@@ -64,8 +64,10 @@
     if (share.length) RK.line($("window-share"), [{ name: "window share", points: share.map((s) => [s.t, s.window_share]) }], { yMin: 0, yMax: 1 });
     const tree = view.tree;
     RK.icicle($("tree"), tree ? tree.nodes : [], { colorBy });
+    const shown = tree ? tree.nodes.filter((n) => n.parent !== null && n.tier !== "other").length : 0;
+    const unvisited = tree && tree.unvisited_blocks !== null ? `, ${tree.unvisited_blocks} blocks not visited` : "";
     $("tree-note").textContent = tree
-      ? `${tree.nodes.length - 1} nodes shown of ${tree.visited - 1} visited` + (tree.sampled ? `; sampled: ${tree.unvisited_blocks} blocks not visited` : "")
+      ? `${shown} nodes shown of ${tree.visited - 1} visited` + (tree.sampled ? `; sampled (a larger tree${unvisited})` : "")
       : "prefix caching is off";
     const usage = (counts) => Object.entries(counts || {}).map(([label, value]) => ({ label, parts: [{ name: "blocks", value }] }));
     RK.bars($("namespaces"), usage(tree && tree.namespaces));
@@ -76,18 +78,20 @@
   }
 
   async function poll() {
+    let data = null;
     try {
       const response = await fetch("/dashboard/data", { headers: key ? { Authorization: "Bearer " + key } : {} });
       if (response.status === 401) {
         $("status").textContent = "this server needs its API key: open /dashboard?key=KEY";
         return; // no retry: the key will not change in this tab
       }
-      if (response.ok) render(await response.json());
+      if (response.ok) data = await response.json();
       else $("status").textContent = `the server answered ${response.status}`;
     } catch (e) {
       $("status").textContent = "the server is not answering";
     }
     setTimeout(poll, every);
+    if (data) render(data); // outside the try: a drawing error is the page's, logged as such
   }
   poll();
 })();
