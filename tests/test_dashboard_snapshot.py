@@ -134,8 +134,12 @@ def test_a_root_of_many_tenants_costs_the_walk_no_more_than_its_bound():
     """Another tenant's root children count against `max_visit` though they are passed over."""
     cache = RadixCache(BlockPool(8192, 4))
     for i in range(1000):
-        put(cache, salted([1 + i % 50, 2, 3, 4, 5], salt_offset(f"tenant-{i}")))
-    put(cache, salted([9, 9, 9, 9], salt_offset("me")))
+        tokens = salted([1 + i % 50, 2, 3, 4, 5], salt_offset(f"tenant-{i}"))
+        blocks = cache.pool.allocate(2)
+        cache.insert(tokens, blocks)
+        for b in blocks:
+            cache.pool.decref(b)
+    put(cache, salted([9, 9, 9, 9], salt_offset("me")))  # checks the invariants once
     snap = tree_snapshot(cache, [salt_offset("me")], max_visit=100)
     assert snap["visited"] <= 100 and snap["sampled"]
     captured = capture_tree(cache, [salt_offset("me")], max_visit=100)
