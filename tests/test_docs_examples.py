@@ -2,8 +2,13 @@
 says why not.
 
 The convention: a fenced block tagged `python` or `bash` is an example. An HTML comment
-`<!-- not run: REASON -->` on the line before it keeps it from running (a GPU, a server, the
-network, a long benchmark), and `<!-- run: slow -->` runs it in the slow tier only. Every fence must
+`<!-- not run: REASON -->` on the line before it keeps it from running (a GPU, the network, a
+long benchmark), and `<!-- run: slow -->` runs it in the slow tier only. A bash block that is one
+`radixkv serve` command is marked `<!-- run: server -->`, and the blocks after it that talk to
+that server (at `localhost:8000`) `<!-- run: with server -->`: the slow tier starts the server
+on a free port (the blocks' `8000` rewritten to it), runs those blocks against it (the bash
+ones in order, then the Python ones in one interpreter), and stops it with SIGTERM, which must
+end it with 0. Every fence must
 name its language (`text` for a synopsis or an outline), so no command hides in an untagged block,
 and the blocks not run are counted per page against `NOT_RUN`, so a new one is a decision made here.
 
@@ -15,35 +20,42 @@ Examples use the presets (seeded random weights, nothing downloaded) and small a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 FENCE = re.compile(r"^(\s*)```(.*)$")
 MARK = re.compile(r"^\s*<!--\s*(not run|run):\s*(.*?)\s*-->\s*$")
+RUN_REASONS = ("slow", "server", "with server")
+DOC_PORT = "8000"
 EXAMPLE_LANGUAGES = {"python", "bash"}
 
 # Blocks each page does not run, each with its reason written before it in the page.
 NOT_RUN = {
-    "README.md": 5,
+    "README.md": 3,
     "docs/benchmarks.md": 3,
     "docs/cache.md": 2,
-    "docs/dashboard.md": 2,
+    "docs/dashboard.md": 1,
     "docs/getting-started.md": 3,
     "docs/kv-quantization.md": 4,
     "docs/kv-store.md": 1,
     "docs/python-api.md": 1,
     "docs/replicas.md": 2,
     "docs/restart.md": 4,
-    "docs/serving.md": 6,
+    "docs/serving.md": 3,
     "docs/tensor-parallelism.md": 2,
 }
 
@@ -92,7 +104,20 @@ EXAMPLES = [b for b in ALL if b.language in EXAMPLE_LANGUAGES]
 
 
 def _run_here(block: Block) -> bool:
-    return block.mark != "not run"
+    """Run by `test_python_examples_run` or `test_bash_examples_run` (not the server ones)."""
+    return block.mark != "not run" and block.reason not in ("server", "with server")
+
+
+def _with_servers() -> list:
+    """Each `run: server` block with the `run: with server` blocks after it on its page."""
+    groups: list[list[Block]] = []
+    for b in EXAMPLES:
+        if b.reason == "server":
+            groups.append([b])
+        elif b.reason == "with server":
+            assert groups and groups[-1][0].page == b.page, f"{b.page}:{b.line}: no server block before it"
+            groups[-1].append(b)
+    return [pytest.param(g, id=f"{g[0].page}:{g[0].line}", marks=[pytest.mark.slow]) for g in groups]
 
 
 def _slow(block: Block) -> bool:
@@ -107,7 +132,9 @@ def test_every_fence_names_its_language():
 def test_marks_are_known_and_stand_before_examples():
     for b in ALL:
         if b.mark == "run":
-            assert b.reason == "slow", f"{b.page}:{b.line}: `<!-- run: slow -->` is the only run mark"
+            assert b.reason in RUN_REASONS, f"{b.page}:{b.line}: the run marks are {RUN_REASONS}"
+        if b.reason == "server":
+            assert b.language == "bash" and b.code.startswith("radixkv serve "), f"{b.page}:{b.line}"
         if b.mark:
             assert b.language in EXAMPLE_LANGUAGES, f"{b.page}:{b.line}: a mark before a {b.language} block"
         if b.mark == "not run":
@@ -117,7 +144,7 @@ def test_marks_are_known_and_stand_before_examples():
 def test_blocks_not_run_are_the_counted_ones():
     counted: dict[str, int] = {}
     for b in EXAMPLES:
-        if not _run_here(b):
+        if b.mark == "not run":
             counted[b.page] = counted.get(b.page, 0) + 1
     assert counted == NOT_RUN
 
@@ -202,3 +229,64 @@ def test_bash_examples_run(block: Block, tmp_path: Path):
     assert done.returncode == 0, (
         f"{block.page}:{block.line} failed:\n{block.code}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     )
+
+
+@pytest.mark.parametrize("group", _with_servers())
+def test_server_examples_run(group: list[Block], tmp_path: Path):
+    server, clients = group[0], group[1:]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = _env()
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    folder = _folder(tmp_path)
+    command = server.code.replace(f"--port {DOC_PORT}", f"--port {port}").strip()
+    assert f"--port {port}" in command, f"{server.page}:{server.line}: the server must take --port {DOC_PORT}"
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=folder, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the documented server did not start"
+            time.sleep(0.3)
+        python = [b for b in clients if b.language == "python"]
+        for b in clients:
+            code = b.code.replace(f":{DOC_PORT}", f":{port}")
+            if b.language == "bash":
+                done = subprocess.run(
+                    ["bash", "-euo", "pipefail", "-c", code],
+                    cwd=folder,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                assert done.returncode == 0, (
+                    f"{b.page}:{b.line} failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+                )
+        if python:
+            script = tmp_path / "blocks.json"
+            script.write_text(
+                json.dumps(
+                    [[f"{b.page}:{b.line}", b.code.replace(f":{DOC_PORT}", f":{port}")] for b in python]
+                )
+            )
+            done = subprocess.run(
+                [sys.executable, "-c", DRIVER, str(script)],
+                cwd=folder,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 0, f"{server.page}'s server examples failed:\n{done.stderr[-4000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        log.close()
+    assert rc == 0, (tmp_path / "serve.log").read_text()[-4000:]
