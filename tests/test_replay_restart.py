@@ -124,6 +124,7 @@ def wait_healthy(url: str, log: Path, pid: int) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # two servers started and restarted, some 11 s each
 @pytest.mark.parametrize("store", [True, False], ids=["store", "cold"])
 def test_a_replay_restarts_a_server_after_turn_k_and_reports_the_later_turns(
     model_folders, workload, tmp_path, store
