@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from typing import NamedTuple
 
 import httpx
 import pytest
+from test_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -188,8 +188,11 @@ asyncio.run(main())
 
 
 def _env() -> dict[str, str]:
+    """The examples' environment: one OpenMP thread, no GPU, this environment's `radixkv` and
+    `python` first on the PATH."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     return env
 
 
@@ -198,95 +201,75 @@ def _folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize(("page", "found"), _python_pages())
-def test_python_examples_run(page: str, found: list[Block], tmp_path: Path):
-    script = tmp_path / "blocks.json"
-    script.write_text(json.dumps([[f"{b.page}:{b.line}", b.code] for b in found]))
+def _run_bash(code: str, where: str, folder: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(script)],
-        cwd=_folder(tmp_path),
+        ["bash", "-euo", "pipefail", "-c", code],
+        cwd=folder,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, f"{page}'s examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"{where} failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("block", _bash_blocks())
-def test_bash_examples_run(block: Block, tmp_path: Path):
-    bin_dir = str(Path(sys.executable).parent)  # `radixkv` and `python` of this environment
-    env = _env()
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+def _run_python(blocks: list[tuple[str, str]], where: str, folder: Path) -> None:
+    """`blocks` (name, code) in order, in one namespace of one fresh interpreter (`DRIVER`)."""
+    script = folder / "blocks.json"
+    script.write_text(json.dumps(blocks))
     done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", block.code],
-        cwd=_folder(tmp_path),
-        env=env,
+        [sys.executable, "-c", DRIVER, str(script)],
+        cwd=folder,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, (
-        f"{block.page}:{block.line} failed:\n{block.code}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    )
+    assert done.returncode == 0, f"{where}'s examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize(("page", "found"), _python_pages())
+def test_python_examples_run(page: str, found: list[Block], tmp_path: Path):
+    _run_python([(f"{b.page}:{b.line}", b.code) for b in found], page, _folder(tmp_path))
+
+
+@pytest.mark.parametrize("block", _bash_blocks())
+def test_bash_examples_run(block: Block, tmp_path: Path):
+    _run_bash(block.code, f"{block.page}:{block.line}", _folder(tmp_path))
 
 
 @pytest.mark.parametrize("group", _with_servers())
 def test_server_examples_run(group: list[Block], tmp_path: Path):
     server, clients = group[0], group[1:]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    env = _env()
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    port = str(free_port())
     folder = _folder(tmp_path)
     command = server.code.replace(f"--port {DOC_PORT}", f"--port {port}").strip()
     assert f"--port {port}" in command, f"{server.page}:{server.line}: the server must take --port {DOC_PORT}"
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=folder, env=env, stdout=log, stderr=log)
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            ["bash", "-c", f"exec {command}"], cwd=folder, env=_env(), stdout=log, stderr=log
+        )
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert proc.poll() is None, log_path.read_text()[-4000:]
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             assert time.monotonic() < deadline, "the documented server did not start"
             time.sleep(0.3)
-        python = [b for b in clients if b.language == "python"]
-        for b in clients:
-            code = b.code.replace(f":{DOC_PORT}", f":{port}")
-            if b.language == "bash":
-                done = subprocess.run(
-                    ["bash", "-euo", "pipefail", "-c", code],
-                    cwd=folder,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                assert done.returncode == 0, (
-                    f"{b.page}:{b.line} failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-                )
+        here = [
+            (f"{b.page}:{b.line}", b.language, b.code.replace(f":{DOC_PORT}", f":{port}")) for b in clients
+        ]
+        for where, language, code in here:
+            if language == "bash":
+                _run_bash(code, where, folder)
+        python = [(where, code) for where, language, code in here if language == "python"]
         if python:
-            script = tmp_path / "blocks.json"
-            script.write_text(
-                json.dumps(
-                    [[f"{b.page}:{b.line}", b.code.replace(f":{DOC_PORT}", f":{port}")] for b in python]
-                )
-            )
-            done = subprocess.run(
-                [sys.executable, "-c", DRIVER, str(script)],
-                cwd=folder,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert done.returncode == 0, f"{server.page}'s server examples failed:\n{done.stderr[-4000:]}"
+            _run_python(python, f"{server.page}:{server.line}", folder)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
-        log.close()
-    assert rc == 0, (tmp_path / "serve.log").read_text()[-4000:]
+    assert rc == 0, log_path.read_text()[-4000:]

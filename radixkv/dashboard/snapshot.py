@@ -165,7 +165,7 @@ def build_tree(captured: dict[str, Any], max_nodes: int = MAX_NODES) -> dict[str
             )
             if row.session is not None:
                 by_session[digest(row.session.encode(), 4)] += row.blocks
-    kept = _choose(children, tokens_below, max_nodes)
+    kept = _choose(children, [row.parent for row in rows], tokens_below, max_nodes)
     names = [""] * n
     names[0] = digest(b"root")
     nodes = []
@@ -203,17 +203,15 @@ class _Below(NamedTuple):
     deepest: list[int]
 
 
-def _choose(children: list[list[int]], tokens_below: list[int], max_nodes: int) -> set[int]:
+def _choose(
+    children: list[list[int]], parent: list[int], tokens_below: list[int], max_nodes: int
+) -> set[int]:
     """Best first from the root by tokens under a node, each kept node's parent kept, while the
     entries shown (the kept nodes, and one `other` entry for each with a child not kept) stay
     within `max_nodes`."""
     kept = {0}
     unkept = [len(c) for c in children]  # children not kept yet, per row
     entries = 1 + (unkept[0] > 0)
-    parent = [0] * len(children)
-    for i, kids in enumerate(children):
-        for c in kids:
-            parent[c] = i
     heap = [(-tokens_below[c], c) for c in children[0]]
     heapq.heapify(heap)
     while heap:

@@ -87,10 +87,10 @@ def replay_report(report: dict[str, Any], runs: dict[str, list[TurnRecord]]) -> 
             cumulative.append([r.due_s, cached / prompt if prompt else 0.0])
         hits.append({"name": f"{name}, cumulative", "points": thin(cumulative)})
         ttft.append({"name": name, "points": thin([[r.due_s, r.ttft_s] for r in ordered]), "dots": True})
-    first = next(iter(runs.values()), [])
-    each = [[r.due_s, r.cached_tokens / r.prompt_tokens] for r in sorted(first, key=lambda r: r.due_s)]
-    if first:
-        hits.append({"name": f"{next(iter(runs))}, each request", "points": thin(each), "dots": True})
+    if runs:
+        name, first = next(iter(runs.items()))
+        each = [[r.due_s, r.cached_tokens / r.prompt_tokens] for r in sorted(first, key=lambda r: r.due_s)]
+        hits.append({"name": f"{name}, each request", "points": thin(each), "dots": True})
     arrival = "arrival (s from the start)"
     return {
         "title": f"replay of {Path(report['workload']).name}",
