@@ -33,7 +33,7 @@ class EngineConfig:
     rank.
 
     `kv_cache_dtype` is how the KV cache stores K and V: `auto` (the default) in the model's
-    dtype; `int8` in one byte each, with a float16 scale per token and KV head computed as the
+    dtype; `int8` in one byte each, with a one-byte scale per token and KV head computed as the
     token is stored (no calibration; about half the bytes of bfloat16, a quarter of float32, so
     about twice or four times the blocks in `kv_cache_memory`); `fp8_e4m3` likewise as float8 (CUDA
     of compute capability 8.9 or later only). Cached and freshly computed tokens read the same

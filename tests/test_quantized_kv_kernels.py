@@ -2,7 +2,8 @@
 
 store_kv must store exactly `quantize_ref`'s bytes and scales; paged_attention over a quantized
 cache must give what `paged_attention_ref` gives over the values those bytes and scales stand for,
-on every plan shape, with windows and logit caps. Slots no sequence covers hold NaN scales, so a
+on every plan shape, with windows and logit caps, with scales in float16, float32 and the engine's
+one-byte codes. Slots no sequence covers hold NaN scales (the largest code, 3,840, for codes), so a
 read outside a sequence would show.
 """
 
@@ -22,6 +23,7 @@ from radixkv.kernels import copy_blocks, paged_attention, store_kv
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
 from radixkv.kernels.paged_attention import launch_attention
 from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, quantize_ref, store_kv_ref
+from radixkv.kernels.scale_code import MAX_CODE, SCALE_CODE_DTYPE
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
@@ -29,11 +31,12 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 class Quantized:
     """A batch with its caches quantized by the reference: (batch, k_scale, v_scale)."""
 
-    def __init__(self, batch: Batch, dtype: torch.dtype = torch.int8, scale_dtype=torch.float16) -> None:
+    def __init__(self, batch: Batch, dtype: torch.dtype = torch.int8, scale_dtype=SCALE_CODE_DTYPE) -> None:
         caches, scales = [], []
+        poison = MAX_CODE if scale_dtype == SCALE_CODE_DTYPE else float("nan")
         for cache in (batch.k_cache, batch.v_cache):
             values, scale = quantize_ref(torch.nan_to_num(cache), dtype, scale_dtype)
-            scales.append(scale.masked_fill(torch.isnan(cache).any(-1), float("nan")))
+            scales.append(scale.masked_fill(torch.isnan(cache).any(-1), poison))
             caches.append(values)
         self.batch = batch._replace(k_cache=caches[0], v_cache=caches[1])
         self.k_scale, self.v_scale = scales
@@ -53,6 +56,8 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
         (torch.float32, torch.float16, 16, 64),
         (torch.bfloat16, torch.float32, 1, 80),
         (torch.float16, torch.float16, 8, 48),
+        (torch.float32, SCALE_CODE_DTYPE, 16, 32),
+        (torch.bfloat16, SCALE_CODE_DTYPE, 8, 48),
     ],
 )
 def test_store_kv_stores_the_reference_quantization_and_skips_minus_one(
@@ -62,11 +67,14 @@ def test_store_kv_stores_the_reference_quantization_and_skips_minus_one(
     generator = torch.Generator().manual_seed(1)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = torch.randint(-127, 128, (2, *shape), generator=generator, dtype=torch.int8).to(DEVICE)
-    k_scale, v_scale = torch.rand(2, *shape[:3], generator=generator).to(DEVICE, scale_dtype)
+    k_scale, v_scale = (torch.rand(2, *shape[:3], generator=generator) * 100).to(DEVICE, scale_dtype)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(DEVICE)
     slots[::7] = -1
     k, v = (torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=generator) * 3).to(DEVICE, x_dtype)
-    k[3] = 0.0  # an all-zero head: scale 0, values 0
+    k[3] = 0.0  # an all-zero head: scale 0 (code 0), values 0
+    if scale_dtype == SCALE_CODE_DTYPE:  # a large scale, and one past the largest code (3,840)
+        k[5, 0] *= 1e4
+        v[6, 1] = 1e6
     expected = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
     store_kv_ref(k, v, *expected[:2], slots, *expected[2:])
     store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
@@ -88,6 +96,8 @@ def test_quantization_error_is_small_but_not_zero() -> None:
         (16, 4, 64, torch.float32, torch.float16),
         (8, 3, 48, torch.float16, torch.float32),
         (1, 1, 32, torch.bfloat16, torch.float16),
+        (16, 2, 32, torch.float32, SCALE_CODE_DTYPE),
+        (4, 3, 80, torch.bfloat16, SCALE_CODE_DTYPE),
     ],
 )
 def test_mixed_ragged_batch_over_int8_cache_matches_reference(

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixkv.kernels import scale_code
 from radixkv.kernels.checks import (
     QUANTIZED_DTYPES,
     check_cache,
@@ -92,13 +93,18 @@ def _store_quantized_kernel(
     stride_sh,
     LIMIT: tl.constexpr,
     ROUND: tl.constexpr,
+    CODED: tl.constexpr,
+    CODE_BIAS: tl.constexpr,
+    CODE_SHIFT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     # One tensor (K or V) a launch; program (token tile, KV head). Same arithmetic as quantize_ref:
-    # scale = max|x| / LIMIT rounded to the scale dtype, x / scale clamped, rounded half up (int8).
+    # scale = max|x| / LIMIT rounded to the scale dtype (CODED: up, to a one-byte code, in integer
+    # operations on its float32 bits), x / scale clamped, rounded half up (int8).
     token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_P)
@@ -109,9 +115,16 @@ def _store_quantized_kernel(
         mask = mask & (d < HEAD_DIM)[None, :]
     x = tl.load(x_ptr + (token * stride_xt + head * stride_xh)[:, None] + d[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    scale = (tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max) / LIMIT).to(scale_ptr.dtype.element_ty)
-    divisor = scale.to(tl.float32)
-    divisor = tl.where(divisor > 0, divisor, 1.0)
+    exact = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max) / LIMIT
+    if CODED:
+        up = (exact.to(tl.int32, bitcast=True) + ((1 << CODE_SHIFT) - 1)) >> CODE_SHIFT
+        code = tl.minimum(tl.maximum(up - CODE_BIAS, 0), MAX_CODE)
+        divisor = ((code + CODE_BIAS) << CODE_SHIFT).to(tl.float32, bitcast=True)
+        scale = code.to(tl.uint8)
+    else:
+        scale = exact.to(scale_ptr.dtype.element_ty)
+        divisor = scale.to(tl.float32)
+        divisor = tl.where(divisor > 0, divisor, 1.0)
     y = tl.minimum(tl.maximum(x / divisor[:, None], -LIMIT), LIMIT)
     if ROUND:
         y = tl.floor(y + 0.5)
@@ -253,6 +266,10 @@ def _store_quantized(
                 scale.stride(2),
                 LIMIT=QUANTIZED_DTYPES[cache.dtype],
                 ROUND=cache.dtype == torch.int8,
+                CODED=scale.dtype == scale_code.SCALE_CODE_DTYPE,
+                CODE_BIAS=scale_code.CODE_BIAS,
+                CODE_SHIFT=scale_code.SHIFT,
+                MAX_CODE=scale_code.MAX_CODE,
                 HEAD_DIM=head_dim,
                 HEAD_DIM_P=head_dim_p,
                 BLOCK_SIZE=block_size,

@@ -9,7 +9,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANTIZED_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 """Caches stored in 8 bits, each with the largest magnitude it stores: a token's head is stored as
 round(x / scale), scale = max|x| / that magnitude, its own scale kept beside it (no calibration)."""
-SCALE_DTYPES = (torch.float16, torch.float32)
+SCALE_DTYPES = (torch.uint8, torch.float16, torch.float32)  # uint8: one-byte codes (scale_code)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -36,8 +36,9 @@ def check_cache(
 
     The kernels compute one set of row offsets for both caches, hence the same strides. A cache in
     float32, float16 or bfloat16 takes no scales; an int8 or float8_e4m3fn cache takes both,
-    [num_blocks, block_size, Hkv] in float16 or float32, one layout for the two. `any_dtype`: a
-    cache only moved, never read as numbers (copy_blocks), may hold any dtype of 1 to 4 bytes.
+    [num_blocks, block_size, Hkv] in uint8 (one-byte codes, radixkv.kernels.scale_code), float16
+    or float32, one layout for the two. `any_dtype`: a cache only moved, never read as numbers
+    (copy_blocks), may hold any dtype of 1 to 4 bytes.
     """
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
@@ -78,8 +79,8 @@ def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: 
     want = tuple(k_cache.shape[:3])
     if k_scale.shape != want or k_scale.dtype not in SCALE_DTYPES:
         raise ValueError(
-            f"k_scale must be [num_blocks, block_size, Hkv] = {list(want)} in float16 or float32, "
-            f"got {tuple(k_scale.shape)}, {k_scale.dtype}"
+            f"k_scale must be [num_blocks, block_size, Hkv] = {list(want)} in uint8 (scale codes), "
+            f"float16 or float32, got {tuple(k_scale.shape)}, {k_scale.dtype}"
         )
     _check_twin("v_scale", v_scale, "k_scale", k_scale)
     check_same_device("k_scale", k_scale, k_cache.device)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixkv.kernels import scale_code
 from radixkv.kernels.checks import check_cache, check_index, check_kernel_device, check_same_device
 from radixkv.kernels.dispatch import interpreted, launch_guard
 from radixkv.kernels.launch_plan import (
@@ -139,8 +140,9 @@ def paged_attention(
     window are never read, so their table entries need not be valid. `softcap` caps each logit
     (after the scale) as `softcap * tanh(logit / softcap)` before the softmax (Gemma 2). None: no
     window, no cap. `k_scale`, `v_scale` ([num_blocks, block_size, Hkv], as `store_kv` writes
-    them): the caches are int8 or float8_e4m3fn, key j standing for k_cache[j] * k_scale[j]; q is
-    then in any float dtype, and so is the result.
+    them): the caches are int8 or float8_e4m3fn, key j standing for k_cache[j] * k_scale[j] (the
+    scales in float16, float32, or uint8 codes of radixkv.kernels.scale_code); q is then in any
+    float dtype, and so is the result.
 
     Thread-safe. Compiled on CUDA tensors, interpreted on CPU tensors (radixkv.kernels.dispatch).
     """
@@ -292,6 +294,9 @@ def _launch(
             SOFTCAP=softcap is not None,
             OUT_LIKE_Q=target.stride()[-3:-1] == q.stride()[:2],
             QUANTIZED=quantized,
+            CODED=quantized and k_scale.dtype == scale_code.SCALE_CODE_DTYPE,
+            CODE_BIAS=scale_code.CODE_BIAS,
+            CODE_SHIFT=scale_code.SHIFT,
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )

@@ -60,6 +60,9 @@ def paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     OUT_LIKE_Q: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    CODED: tl.constexpr,
+    CODE_BIAS: tl.constexpr,
+    CODE_SHIFT: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCK_Q * GROUP_P
     # int64 indices throughout: the interpreter checks every int32 add and mul for overflow (7 extra
@@ -143,8 +146,14 @@ def paged_attention_kernel(
         if QUANTIZED:  # a key's scales, [ITEMS, BLOCK_N]: K's scales each score, V's its probability
             scale_rows = block.to(tl.int64) * stride_sb + (key % BLOCK_SIZE) * stride_ss
             scale_rows += (kv_head * stride_sh)[:, None]
-            s = s * tl.load(k_scale_ptr + scale_rows).to(tl.float32)[:, None, :]
-            v_scale = tl.load(v_scale_ptr + scale_rows).to(tl.float32)[:, None, :]
+            k_scale = tl.load(k_scale_ptr + scale_rows)
+            v_scale = tl.load(v_scale_ptr + scale_rows)
+            if CODED:  # one-byte codes (radixkv.kernels.scale_code): the float32 bits, shifted in
+                k_scale = (k_scale.to(tl.int32) + CODE_BIAS) << CODE_SHIFT
+                v_scale = (v_scale.to(tl.int32) + CODE_BIAS) << CODE_SHIFT
+                k_scale, v_scale = k_scale.to(tl.float32, bitcast=True), v_scale.to(tl.float32, bitcast=True)
+            s = s * k_scale.to(tl.float32)[:, None, :]
+            v_scale = v_scale.to(tl.float32)[:, None, :]
         if SOFTCAP:
             # q carries the plain scale here: s is the logit, capped as cap * tanh(s / cap) with
             # tanh(x) = 1 - 2 / (exp(2x) + 1) (exact at both ends) and taken to base 2: cap_in is

@@ -3,7 +3,8 @@
 Same contracts as `paged_attention`, `store_kv` and `copy_blocks` of radixkv.kernels, written for
 clarity first but without waste: attention gathers each sequence's KV through its block table and
 runs torch's scaled_dot_product_attention on it, computing in float32. A quantized cache (int8 or
-float8_e4m3fn with per-token, per-head scales) is dequantized whole first: the kernels must give
+float8_e4m3fn with per-token, per-head scales: float16, float32, or one-byte codes) is dequantized
+whole first: the kernels must give
 what attention over exactly those stored values gives.
 """
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.kernels.checks import QUANTIZED_DTYPES
+from radixkv.kernels.scale_code import SCALE_CODE_DTYPE, decode_scale, encode_scale
 
 
 def paged_attention_ref(
@@ -80,20 +82,27 @@ def quantize_ref(
     x: torch.Tensor, dtype: torch.dtype, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[..., D]` as `dtype` (int8 or float8_e4m3fn) and one scale per row `[...]`: the scale is
-    max|row| / the dtype's largest value, rounded to `scale_dtype`; each element is x / scale
-    (1 for an all-zero row), clamped to that largest value, then rounded half up for int8 or cast
-    for float8. Computed in float32."""
+    max|row| / the dtype's largest value, rounded to `scale_dtype` (to nearest for float16 and
+    float32, 1 for an all-zero row; up to a one-byte code for uint8, see
+    radixkv.kernels.scale_code); each element is x / scale, clamped to that largest value, then
+    rounded half up for int8 or cast for float8. Computed in float32."""
     limit = QUANTIZED_DTYPES[dtype]
     x = x.float()
-    scale = (x.abs().amax(-1) / limit).to(scale_dtype)
-    divisor = torch.where(scale > 0, scale.float(), 1.0)
+    exact = x.abs().amax(-1) / limit
+    if scale_dtype == SCALE_CODE_DTYPE:
+        scale = encode_scale(exact)
+        divisor = decode_scale(scale)
+    else:
+        scale = exact.to(scale_dtype)
+        divisor = torch.where(scale > 0, scale.float(), 1.0)
     y = (x / divisor[..., None]).clamp(-limit, limit)
     return (torch.floor(y + 0.5) if dtype == torch.int8 else y).to(dtype), scale
 
 
 def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values a quantized cache `[..., D]` with its scales `[...]` stands for."""
-    return cache.float() * scale.float()[..., None]
+    scale = decode_scale(scale) if scale.dtype == SCALE_CODE_DTYPE else scale.float()
+    return cache.float() * scale[..., None]
 
 
 def store_kv_ref(

@@ -16,7 +16,8 @@ from array import array
 import xxhash
 
 # Bump when a stored block's byte layout changes ([K/V, layer, slot, head, dim] in the cache dtype).
-LAYOUT_VERSION = 1
+# 2: a quantized block's scales are one-byte codes (radixkv.kernels.scale_code), not float16.
+LAYOUT_VERSION = 2
 
 
 class KeySpace:

@@ -2,20 +2,21 @@
 
 `kv_cache_dtype` `auto` keeps the cache `[2, layers, blocks, block_size, Hkv, D]` in the model's
 dtype. `int8` and `fp8_e4m3` store each element in one byte and each token's head with its own
-float16 scale (max|x| / 127 or / 448, computed by `store_kv` as the token is written: no
-calibration). A quantized block of one layer is one row of bytes, the K (or V) values of its slots
-first, then their scales, each part starting on a 16-byte boundary:
+scale (max|x| / 127 or / 448, computed by `store_kv` as the token is written: no calibration),
+itself one byte: a code of radixkv.kernels.scale_code, rounded up so that nothing is clipped. A
+quantized block of one layer is one row of bytes, the K (or V) values of its slots first, then
+their scale codes, each part starting on a 16-byte boundary:
 
-    [slot 0 head 0: D bytes][slot 0 head 1] ... [pad] [scale (slot 0, head 0): 2 bytes] ... [pad]
+    [slot 0 head 0: D bytes][slot 0 head 1] ... [pad] [code (slot 0, head 0): 1 byte] ... [pad]
 
 shaped `[1, 1, row_bytes]`, so that the cache keeps the six dimensions (`[2, layers, blocks, ...]`)
 that everything moving blocks indexes: copy-on-write, the host tier, swap, layered loads and the KV
 store move a block's bytes and so its scales with it, and their bytes per block shrink with it.
-The kernels see strided views: values `[blocks, block_size, Hkv, D]` and scales
+The kernels see strided views: values `[blocks, block_size, Hkv, D]` and scale codes
 `[blocks, block_size, Hkv]` over the same memory.
 
-With D = 64 a token's head is 64 + 2 bytes against 128 in bfloat16 (1.94x the blocks in the same
-memory) and 256 in float32 (3.88x).
+A token's head is D + 1 bytes: at D = 32 (the tiny presets) 33 against 64 in bfloat16 (1.94x the
+blocks in the same memory) and 128 in float32 (3.88x); at D = 128, 1.98x and 3.97x.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radixkv.kernels.scale_code import SCALE_CODE_DTYPE
+
 _STORED = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-SCALE_DTYPE = torch.float16
 ALIGN = 16  # bytes: each part of a row starts where a GPU's vector loads can read it
 
 
@@ -68,7 +70,7 @@ class KVLayout:
         """One block of one layer's K (or V): the cache's dimensions after the block's."""
         if not self.quantized:
             return (self.block_size, self.num_kv_heads, self.head_dim)
-        scales = self.block_size * self.num_kv_heads * SCALE_DTYPE.itemsize
+        scales = self.block_size * self.num_kv_heads * SCALE_CODE_DTYPE.itemsize
         return (1, 1, self._values_bytes + _round_up(scales, ALIGN))
 
     @property
@@ -81,7 +83,7 @@ class KVLayout:
         return 2 * num_layers * row * self.storage_dtype.itemsize
 
     def allocate(self, num_layers: int, num_blocks: int, device: torch.device | str) -> torch.Tensor:
-        """A zeroed cache `[2, num_layers, num_blocks, *block_shape]` (scales 0: no slot stored)."""
+        """A zeroed cache `[2, num_layers, num_blocks, *block_shape]` (scale codes 0: no slot stored)."""
         shape = (2, num_layers, num_blocks, *self.block_shape)
         return torch.zeros(shape, dtype=self.storage_dtype, device=device)
 
@@ -94,6 +96,6 @@ class KVLayout:
         shape = (rows.shape[0], self.block_size, self.num_kv_heads)
         values = rows[:, : self.block_size * self.num_kv_heads * self.head_dim]
         values = values.view(_STORED[self.kv_cache_dtype])
-        scale_bytes = self.block_size * self.num_kv_heads * SCALE_DTYPE.itemsize
-        scales = rows[:, self._values_bytes : self._values_bytes + scale_bytes].view(SCALE_DTYPE)
+        scale_bytes = self.block_size * self.num_kv_heads * SCALE_CODE_DTYPE.itemsize
+        scales = rows[:, self._values_bytes : self._values_bytes + scale_bytes].view(SCALE_CODE_DTYPE)
         return values.view(*shape, self.head_dim), scales.view(shape)

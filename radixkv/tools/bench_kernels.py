@@ -6,7 +6,8 @@ physical blocks shuffled: decode (32 sequences, 1 new token each, 1,024 tokens i
 For each case the kernel, then the reference, is warmed up once and timed `--repeats` times; the
 medians are reported with their ratio (Triton / reference) and the largest difference of outputs.
 Each case runs twice: over a float32 cache (`kv auto`) and over an int8 cache with per-token,
-per-head float16 scales (`kv int8`, the caches quantized by the reference's `quantize_ref`, the
+per-head one-byte scale codes as the engine stores them (`kv int8`, the caches quantized by the
+reference's `quantize_ref`, the
 reference then attending over their dequantized values), the row beside its full-precision one.
 On a machine without a GPU both run on the CPU, Triton through its interpreter.
 
@@ -31,6 +32,7 @@ import torch
 from radixkv.kernels.launch_plan import INTERPRETED
 from radixkv.kernels.paged_attention import paged_attention, plan_paged_attention
 from radixkv.kernels.reference import paged_attention_ref, quantize_ref
+from radixkv.kernels.scale_code import SCALE_CODE_DTYPE
 from radixkv.tools.device_peaks import peak_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
@@ -153,7 +155,7 @@ def _run_case(case: Case, device: torch.device, repeats: int, kv_cache_dtype: st
     )
     scales, k_v = {}, inputs[1:3]
     if kv_cache_dtype == "int8":
-        (k_cache, k_scale), (v_cache, v_scale) = (quantize_ref(c, torch.int8, torch.float16) for c in k_v)
+        (k_cache, k_scale), (v_cache, v_scale) = (quantize_ref(c, torch.int8, SCALE_CODE_DTYPE) for c in k_v)
         inputs = (inputs[0], k_cache, v_cache, *inputs[3:])
         scales = {"k_scale": k_scale, "v_scale": v_scale}
     kernel_out, kernel_ms = median_ms(lambda: paged_attention(*inputs, **scales), repeats, device)
