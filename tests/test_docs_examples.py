@@ -14,8 +14,11 @@ and the blocks not run are counted per page against `NOT_RUN`, so a new one is a
 
 A page's Python blocks run in order in one namespace, in one fresh interpreter, as a reader would
 type them into one session (top-level `await` allowed). Each bash block runs under
-`bash -euo pipefail` in a temporary folder that holds a link to the repository's `workloads/`.
-Examples use the presets (seeded random weights, nothing downloaded) and small arguments.
+`bash -euo pipefail` in a temporary folder that holds a copy of the repository's `workloads/`
+(an example that writes a workload rewrites the copy) and a link to each public trace the block
+names (`PUBLIC_TRACES`, from `shared/traces/`; a block whose trace this checkout lacks is
+skipped). Examples use the presets (seeded random weights, nothing downloaded) and small
+arguments; the ones that take minutes (full replays, benchmarks) are marked `run: slow`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +37,7 @@ from typing import NamedTuple
 
 import httpx
 import pytest
+from shared_traces import shared_trace
 from test_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,19 +47,17 @@ MARK = re.compile(r"^\s*<!--\s*(not run|run):\s*(.*?)\s*-->\s*$")
 RUN_REASONS = ("slow", "server", "with server")
 DOC_PORT = "8000"
 EXAMPLE_LANGUAGES = {"python", "bash"}
+# The public traces the pages run examples on (the pages name where to download them).
+PUBLIC_TRACES = ("mooncake_synthetic_trace.jsonl", "claude_code_sessions36.jsonl.gz")
 
 # Blocks each page does not run, each with its reason written before it in the page.
 NOT_RUN = {
     "README.md": 3,
-    "docs/benchmarks.md": 3,
-    "docs/cache.md": 2,
-    "docs/dashboard.md": 1,
+    "docs/benchmarks.md": 2,
     "docs/getting-started.md": 3,
-    "docs/kv-quantization.md": 4,
-    "docs/kv-store.md": 1,
-    "docs/python-api.md": 1,
-    "docs/replicas.md": 2,
-    "docs/restart.md": 4,
+    "docs/kv-quantization.md": 2,
+    "docs/replicas.md": 1,
+    "docs/restart.md": 1,
     "docs/serving.md": 3,
     "docs/tensor-parallelism.md": 2,
 }
@@ -196,8 +199,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _folder(tmp_path: Path) -> Path:
-    (tmp_path / "workloads").symlink_to(ROOT / "workloads")
+def _folder(tmp_path: Path, code: str = "") -> Path:
+    """A bash block's working folder (see the module); skips the test when `code` names a
+    public trace that is not here."""
+    shutil.copytree(ROOT / "workloads", tmp_path / "workloads")
+    for name in PUBLIC_TRACES:
+        if name in code:
+            trace = shared_trace(name)
+            if not trace.exists():
+                pytest.skip(f"{name} is not present (shared/traces/)")
+            (tmp_path / name).symlink_to(trace)
     return tmp_path
 
 
@@ -235,7 +246,7 @@ def test_python_examples_run(page: str, found: list[Block], tmp_path: Path):
 
 @pytest.mark.parametrize("block", _bash_blocks())
 def test_bash_examples_run(block: Block, tmp_path: Path):
-    _run_bash(block.code, f"{block.page}:{block.line}", _folder(tmp_path))
+    _run_bash(block.code, f"{block.page}:{block.line}", _folder(tmp_path, block.code))
 
 
 @pytest.mark.parametrize("group", _with_servers())
