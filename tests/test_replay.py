@@ -207,3 +207,27 @@ def test_a_replay_whose_request_fails_reports_it_and_finishes(model_folders):
     turns = sorted((r.session, r.turn) for r in result.records)
     assert turns == [("ok", 0), ("ok", 1)]
     engine.check_invariants()
+
+
+def test_a_run_in_which_every_turn_failed_is_reported_and_says_why(model_folders, capsys):
+    """`--compare` with every turn of the run without the cache failing: the text report prints
+    (its TTFT ratio `n/a`, not a division by zero) and stderr names the first failure."""
+    import argparse
+
+    from radixkv import Engine, EngineConfig
+    from radixkv.tools.replay import build_report, emit, replay_engine
+    from radixkv.workloads.format import Workload
+
+    workload = Workload([Session("s", [Turn([4, 5], max_tokens=2)] * 2, system=[1, 2, 3])], {})
+    runs = {}
+    for name, fails in (("prefix_cache", False), ("no_prefix_cache", True)):
+        engine = Engine(EngineConfig(model=str(model_folders["llama"]), block_size=4, kv_cache_memory="4MiB"))
+        if fails:
+            engine.runner.forward = lambda chunks: (_ for _ in ()).throw(RuntimeError("injected"))
+        with engine:
+            runs[name] = replay_engine(engine, workload, speed=100.0, progress=False)
+    args = argparse.Namespace(workload="w.jsonl", report=None, plot=None, report_html=None, json=False)
+    emit(args, build_report(args, "llama", {}, runs, ideal_hit_rate=0.5), runs)
+    out, err = capsys.readouterr()
+    assert "TTFT with / without the prefix cache: p50 n/a, mean n/a" in out
+    assert "no_prefix_cache: 1 requests failed, the first: s turn 0:" in err and "injected" in err

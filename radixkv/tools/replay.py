@@ -232,6 +232,9 @@ def emit(
 ) -> None:
     """Writes the report, its HTML page and plot (of `runs`) where asked, and prints the report: as JSON with
     `--json`, else through `text` (default `format_report`)."""
+    for name, result in runs.items():
+        if result.failed:  # the report counts them; say why, so that a failed run is not a mystery
+            print(f"{name}: {len(result.failed)} requests failed, the first: {result.failed[0]}", file=sys.stderr)
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
@@ -284,11 +287,16 @@ def format_report(report: dict[str, Any]) -> str:
         if other in runs:
             on, off = runs["prefix_cache"]["ttft_s"], runs[other]["ttft_s"]
             lines.append(
-                f"TTFT with / without {what}: p50 {on['p50'] / off['p50']:.3f}x, "
-                f"mean {on['mean'] / off['mean']:.3f}x"
+                f"TTFT with / without {what}: p50 {_ratio(on['p50'], off['p50'])}, "
+                f"mean {_ratio(on['mean'], off['mean'])}"
             )
     ideal = report["ideal_hit_rate"]
     if ideal:
         shares = ", ".join(f"{n} {runs[n]['hit_rate'] / ideal:.3f}" for n in names if n != "no_prefix_cache")
         lines.append(f"hit rate / ideal: {shares}")
     return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b as the report prints it; `n/a` where b is 0 (a run in which no turn finished)."""
+    return f"{a / b:.3f}x" if b else "n/a"
