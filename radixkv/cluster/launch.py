@@ -66,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.ray_address)
     else:
         init_local_ray(max(os.cpu_count() or 1, args.replicas + 1))
+    # From here a SIGTERM or Ctrl-C asks for a clean shutdown, even while the application still
+    # starts (after ray.init, whose own handler would end the process with status 15).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
     if 0 < gpus < 1:  # replicas share a device: each sizes its KV cache from its own part
         config = dataclasses.replace(config, gpu_memory_share=gpus)
@@ -88,9 +93,6 @@ def run(args: argparse.Namespace) -> int:
         f"on http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     if args.ray_address:
         serve.delete("radixkv")  # the cluster and its Serve instance are not ours to stop
