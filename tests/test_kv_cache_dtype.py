@@ -136,6 +136,8 @@ def test_a_prompt_loaded_back_from_the_host_tier_gives_the_tokens_computed_fresh
     a, b, c = prompts(3, seed=2, low=100, high=101)
     per_block = kv_block_bytes(2, 4, 2, 16, torch.float32, "int8")
     assert per_block == 2 * 2 * (4 * 2 * 16 + 16)  # values, then one-byte scale codes (16-byte aligned)
+    # at 16 slots of 2 heads the codes take 32 bytes (float16 scales took 64)
+    assert kv_block_bytes(2, 16, 2, 16, torch.float32, "int8") == 2 * 2 * (16 * 2 * 16 + 32)
     with int8_engine(model_folders, kv_cache_memory="1MiB", enable_prefix_cache=False) as fresh:
         expected = fresh.generate([a], GREEDY)[0].token_ids
     e = int8_engine(model_folders, kv_cache_memory=48 * per_block, host_kv_cache_memory=128 * per_block)

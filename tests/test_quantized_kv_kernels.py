@@ -3,8 +3,9 @@
 store_kv must store exactly `quantize_ref`'s bytes and scales; paged_attention over a quantized
 cache must give what `paged_attention_ref` gives over the values those bytes and scales stand for,
 on every plan shape, with windows and logit caps, with scales in float16, float32 and the engine's
-one-byte codes. Slots no sequence covers hold NaN scales (the largest code, 3,840, for codes), so a
-read outside a sequence would show.
+one-byte codes. Slots no sequence covers hold NaN scales, so that a read outside a sequence shows
+even where its weight is 0; no code decodes to NaN, so under codes those slots hold the largest
+value at the largest code (127 x 3,840), which shows wherever a stray read has any weight.
 """
 
 import pytest
@@ -20,6 +21,7 @@ from test_paged_attention import (
 )
 
 from radixkv.kernels import copy_blocks, paged_attention, store_kv
+from radixkv.kernels.checks import QUANTIZED_DTYPES
 from radixkv.kernels.launch_plan import INTERPRETED, AttentionPlan, max_tiles
 from radixkv.kernels.paged_attention import launch_attention
 from radixkv.kernels.reference import copy_blocks_ref, paged_attention_ref, quantize_ref, store_kv_ref
@@ -33,10 +35,16 @@ class Quantized:
 
     def __init__(self, batch: Batch, dtype: torch.dtype = torch.int8, scale_dtype=SCALE_CODE_DTYPE) -> None:
         caches, scales = [], []
-        poison = MAX_CODE if scale_dtype == SCALE_CODE_DTYPE else float("nan")
         for cache in (batch.k_cache, batch.v_cache):
             values, scale = quantize_ref(torch.nan_to_num(cache), dtype, scale_dtype)
-            scales.append(scale.masked_fill(torch.isnan(cache).any(-1), poison))
+            outside = torch.isnan(cache).any(-1)
+            if scale_dtype == SCALE_CODE_DTYPE:
+                largest = torch.tensor(QUANTIZED_DTYPES[dtype]).to(dtype)
+                values = values.masked_fill(outside[..., None], largest)
+                scale = scale.masked_fill(outside, MAX_CODE)
+            else:
+                scale = scale.masked_fill(outside, float("nan"))
+            scales.append(scale)
             caches.append(values)
         self.batch = batch._replace(k_cache=caches[0], v_cache=caches[1])
         self.k_scale, self.v_scale = scales
@@ -110,16 +118,17 @@ def test_mixed_ragged_batch_over_int8_cache_matches_reference(
     assert_close(out, quant.reference())
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, SCALE_CODE_DTYPE], ids=["float16", "codes"])
 @pytest.mark.parametrize(
     "plan",
     PLAN_SHAPES,
     ids=PLAN_IDS,
 )
-def test_every_plan_shape_over_int8_cache_matches_reference(plan: AttentionPlan) -> None:
+def test_every_plan_shape_over_int8_cache_matches_reference(plan: AttentionPlan, scale_dtype) -> None:
     """Decode, prefill and extend in each plan, with a window (blocks outside it poisoned) and a cap."""
     batch = make_batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8)
     batch = poison_outside_window(batch, 24)
-    quant = Quantized(batch)
+    quant = Quantized(batch, scale_dtype=scale_dtype)
     out = torch.empty_like(batch.q)
     num_tiles = max_tiles(batch.q.shape[0], batch.seq_lens.shape[0], plan.block_q)
     launch_attention(

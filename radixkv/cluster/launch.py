@@ -22,8 +22,12 @@ import dataclasses
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 from radixkv.router import ROUTERS
+
+if TYPE_CHECKING:
+    from radixkv.config import EngineConfig
 
 PROXY_READY_CHECK_TIMEOUT_S = 60
 """Ray Serve gives a new HTTP proxy 5 s to answer its first ready check, then kills it and starts
@@ -57,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
     except ImportError:
         raise SystemExit('--replicas needs Ray Serve: pip install -e ".[cluster]"') from None
-    from radixkv.cluster.deployment import build_application
     from radixkv.tools.engine_args import engine_config
 
     keys = read_api_keys(args)  # checked before any replica starts
@@ -66,11 +69,40 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.ray_address)
     else:
         init_local_ray(max(os.cpu_count() or 1, args.replicas + 1))
-    # From here a SIGTERM or Ctrl-C asks for a clean shutdown, even while the application still
-    # starts (after ray.init, whose own handler would end the process with status 15).
+    # From ray.init on (whose own handler would end the process with status 15) a SIGTERM or
+    # Ctrl-C shuts down cleanly: while the application starts, by interrupting the start (which
+    # may wait for ever, for replicas that are never placed), then by ending the wait.
     stop = threading.Event()
+    starting = True
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting:
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    try:
+        _deploy(args, config, keys)
+        starting = False
+        stop.wait()
+    except KeyboardInterrupt:
+        pass  # stopped while starting: what has started is shut down below
+    if args.ray_address:
+        serve.delete("radixkv")  # the cluster and its Serve instance are not ours to stop
+    else:
+        serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def _deploy(args: argparse.Namespace, config: EngineConfig, keys: tuple[str, ...]) -> None:
+    """Starts Serve and the application of `args.replicas` replicas; returns once it is up."""
+    import ray
+    from ray import serve
+
+    from radixkv.cluster.deployment import build_application
+
     gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / args.replicas)
     if 0 < gpus < 1:  # replicas share a device: each sizes its KV cache from its own part
         config = dataclasses.replace(config, gpu_memory_share=gpus)
@@ -93,13 +125,6 @@ def run(args: argparse.Namespace) -> int:
         f"on http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    stop.wait()
-    if args.ray_address:
-        serve.delete("radixkv")  # the cluster and its Serve instance are not ours to stop
-    else:
-        serve.shutdown()
-    ray.shutdown()
-    return 0
 
 
 def init_local_ray(num_cpus: int, **kwargs) -> None:

@@ -104,7 +104,9 @@ def _store_quantized_kernel(
 ):
     # One tensor (K or V) a launch; program (token tile, KV head). Same arithmetic as quantize_ref:
     # scale = max|x| / LIMIT rounded to the scale dtype (CODED: up, to a one-byte code, in integer
-    # operations on its float32 bits), x / scale clamped, rounded half up (int8).
+    # operations on its float32 bits), x / scale clamped, rounded half up (int8). Both divisions
+    # round to nearest as torch's do (div_rn; a plain `/` is approximate on a GPU, and one ulp
+    # can move a code up a step or a value across a rounding boundary).
     token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_P)
@@ -115,7 +117,7 @@ def _store_quantized_kernel(
         mask = mask & (d < HEAD_DIM)[None, :]
     x = tl.load(x_ptr + (token * stride_xt + head * stride_xh)[:, None] + d[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    exact = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max) / LIMIT
+    exact = tl.math.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), LIMIT)
     if CODED:
         up = (exact.to(tl.int32, bitcast=True) + ((1 << CODE_SHIFT) - 1)) >> CODE_SHIFT
         code = tl.minimum(tl.maximum(up - CODE_BIAS, 0), MAX_CODE)
@@ -125,7 +127,7 @@ def _store_quantized_kernel(
         scale = exact.to(scale_ptr.dtype.element_ty)
         divisor = scale.to(tl.float32)
         divisor = tl.where(divisor > 0, divisor, 1.0)
-    y = tl.minimum(tl.maximum(x / divisor[:, None], -LIMIT), LIMIT)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, divisor[:, None]), -LIMIT), LIMIT)
     if ROUND:
         y = tl.floor(y + 0.5)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE

@@ -83,7 +83,7 @@ def quantize_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[..., D]` as `dtype` (int8 or float8_e4m3fn) and one scale per row `[...]`: the scale is
     max|row| / the dtype's largest value, rounded to `scale_dtype` (to nearest for float16 and
-    float32, 1 for an all-zero row; up to a one-byte code for uint8, see
+    float32, 0 for an all-zero row, which then divides by 1; up to a one-byte code for uint8, see
     radixkv.kernels.scale_code); each element is x / scale, clamped to that largest value, then
     rounded half up for int8 or cast for float8. Computed in float32."""
     limit = QUANTIZED_DTYPES[dtype]

@@ -234,7 +234,8 @@ def emit(
     `--json`, else through `text` (default `format_report`)."""
     for name, result in runs.items():
         if result.failed:  # the report counts them; say why, so that a failed run is not a mystery
-            print(f"{name}: {len(result.failed)} requests failed, the first: {result.failed[0]}", file=sys.stderr)
+            first = result.failed[0]
+            print(f"{name}: {len(result.failed)} requests failed, the first: {first}", file=sys.stderr)
     if args.report:
         args.report.write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
