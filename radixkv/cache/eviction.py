@@ -247,7 +247,6 @@ class Adaptive(EvictionPolicy):
             starts = [s.window for s in SETTINGS]
             raise ValueError(f"an adaptive window starts at one of {starts}, got {window}")
         self.setting = known[0] if known else Setting(f"window {window:g}", window)
-        self.gdsf = False  # whether the setting is GDSF (a plain attribute: read on every touch)
         self.pending: Setting | None = None  # chosen, applied at the next `arrange`
         self.miniatures: Miniatures | None = None
         # Evictable leaves still ranked by the other side of a switch to or from GDSF: a switch
@@ -265,6 +264,10 @@ class Adaptive(EvictionPolicy):
             if self.decide_every is None:
                 self.decide_every = self.miniatures.capacity
         self.trajectory.append((self.clock, self.setting.name))
+
+    @property
+    def gdsf(self) -> bool:
+        return self.setting.window is None
 
     def key(self, node: EvictableNode) -> tuple[int, Any]:
         entry = node.priority
@@ -322,9 +325,8 @@ class Adaptive(EvictionPolicy):
         self._stale.pop(id(node), None)
 
     def arrange(self, leaves: SortedKeyList, rekey: Rekey) -> EvictableNode:
-        if self._stale:
-            for node in list(self._stale.values()):
-                rekey(node, self._rearranged)
+        for node in list(self._stale.values()):
+            rekey(node, self._rearranged)
         if self.sizes[EVICT]:
             return leaves[0]  # a duel's loser, partly evicted, goes on first
         if self.pending is not None:
@@ -395,7 +397,6 @@ class Adaptive(EvictionPolicy):
         moves."""
         was_gdsf, to = self.gdsf, self.pending
         self.setting, self.pending = to, None
-        self.gdsf = to.window is None
         self.trajectory.append((self.clock, to.name))
         if to.window is not None:
             self.window_share = to.window

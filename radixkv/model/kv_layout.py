@@ -66,12 +66,15 @@ class KVLayout:
         return _round_up(self.block_size * self.num_kv_heads * self.head_dim, ALIGN)
 
     @property
+    def _scales_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * SCALE_CODE_DTYPE.itemsize
+
+    @property
     def block_shape(self) -> tuple[int, int, int]:
         """One block of one layer's K (or V): the cache's dimensions after the block's."""
         if not self.quantized:
             return (self.block_size, self.num_kv_heads, self.head_dim)
-        scales = self.block_size * self.num_kv_heads * SCALE_CODE_DTYPE.itemsize
-        return (1, 1, self._values_bytes + _round_up(scales, ALIGN))
+        return (1, 1, self._values_bytes + _round_up(self._scales_bytes, ALIGN))
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -96,6 +99,5 @@ class KVLayout:
         shape = (rows.shape[0], self.block_size, self.num_kv_heads)
         values = rows[:, : self.block_size * self.num_kv_heads * self.head_dim]
         values = values.view(_STORED[self.kv_cache_dtype])
-        scale_bytes = self.block_size * self.num_kv_heads * SCALE_CODE_DTYPE.itemsize
-        scales = rows[:, self._values_bytes : self._values_bytes + scale_bytes].view(SCALE_CODE_DTYPE)
+        scales = rows[:, self._values_bytes : self._values_bytes + self._scales_bytes].view(SCALE_CODE_DTYPE)
         return values.view(*shape, self.head_dim), scales.view(shape)
