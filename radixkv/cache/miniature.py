@@ -35,6 +35,9 @@ import xxhash
 
 SAMPLE_RATE = 1 / 16  # of the block depths
 MIN_SAMPLE_BLOCKS = 64  # in each miniature, however small the pool
+# Sampled accesses queued before the miniatures run them: a request brings a few, and a call
+# into each miniature per request cost more than their caching.
+BATCH_BLOCKS = 256
 # How far a setting's score is scaled by the live cache's record with it: one period's record
 # is noisy, so it may correct a miniature by 15% at most either way.
 CALIBRATION = (0.85, 1.15)
@@ -270,6 +273,7 @@ class Miniatures:
         self.caches = [self._make(s) for s in settings]
         self.scores = [0.0] * len(settings)  # each miniature's hits, scaled by DECAY each period
         self.accesses = 0  # sampled block accesses this period
+        self._queued: list[tuple[int, int]] = []  # accesses the miniatures have not run yet
         self._period_hits = [0] * len(settings)
         self._live_hits = 0  # of this period's sampled accesses, those the live cache found
         self._live = [0.0] * len(settings)  # the live cache's hits while it ran a setting...
@@ -311,13 +315,22 @@ class Miniatures:
 
     def access(self, blocks: Blocks, live_hit: bool) -> None:
         """Every miniature sees each of `blocks` (position, key) accessed, in order; the live
-        cache found them all (`live_hit`) or computed them all."""
-        hits = self._period_hits
-        for i, cache in enumerate(self.caches):
-            hits[i] += cache.run(blocks)
+        cache found them all (`live_hit`) or computed them all. The accesses queue until
+        `BATCH_BLOCKS` of them wait or the period ends, then run through each miniature in one
+        call: the miniatures see the same sequence, so they hit the same."""
+        queued = self._queued
+        queued += blocks
+        if len(queued) >= BATCH_BLOCKS:
+            self._run_queued()
         if live_hit:
             self._live_hits += len(blocks)
         self.accesses += len(blocks)
+
+    def _run_queued(self) -> None:
+        hits, queued = self._period_hits, self._queued
+        for i, cache in enumerate(self.caches):
+            hits[i] += cache.run(queued)
+        queued.clear()
 
     def decide(self, current: int, margin: float) -> int:
         """Ends a period with `settings[current]` live; returns the setting to run next.
@@ -332,6 +345,7 @@ class Miniatures:
         has a record, in `settings` order; then the best scaled score wins if it beats the
         current one's by more than `margin`.
         """
+        self._run_queued()
         if current == self._current and self._settled:
             self._live[current] = DECAY * self._live[current] + self._live_hits
             self._mini[current] = DECAY * self._mini[current] + self._period_hits[current]
@@ -362,5 +376,6 @@ class Miniatures:
         """What the miniatures can hold at most, in keys: each miniature's capacity (GDSF's
         twice, its heap beside its entries) and each W-TinyLFU miniature's counts (1.5 periods).
         With the default settings and rate, 35 keys per 16 blocks of the pool (about 2.2 a
-        block), at least 2,240."""
+        block), at least 2,240. Beside them waits the queue of accesses they have not run,
+        fewer than `BATCH_BLOCKS` between calls."""
         return sum(c.max_entries for c in self.caches)
