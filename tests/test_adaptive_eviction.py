@@ -25,7 +25,7 @@ from radixkv.cache.frequency_sketch import MAX_COUNT, FrequencySketch
 from radixkv.cache.miniature import SETTINGS
 from radixkv.cache.offline_optimal import OfflineOptimal
 from radixkv.cli import main
-from radixkv.tools.simulate import CacheRequest, requests_from_workload, serve
+from radixkv.tools.simulate import CacheRequest, hit_tokens, requests_from_workload, serve
 from radixkv.workloads.format import Workload
 from radixkv.workloads.generate import DocsParams, OneUseParams, generate_docs, generate_one_use
 from radixkv.workloads.traces import HashIdTokens
@@ -214,7 +214,7 @@ def test_queued_accesses_hit_as_a_feed_request_by_request():
     a twin fed every request's blocks as they come (a stream that reuses keys, so every
     miniature both hits and evicts)."""
     minis = miniature.Miniatures(2000, 16)
-    twins = [minis._make(s) for s in minis.settings]
+    twins = miniature.Miniatures(2000, 16).caches  # the same settings, fed directly
     rng = random.Random(3)
     keys = [rng.getrandbits(64) for _ in range(600)]  # more than a miniature holds
     expected = [0] * len(twins)
@@ -266,9 +266,7 @@ def test_adaptive_never_beats_the_offline_optimum():
         trace = random_hash_trace(rng, 200, extend_p=0.8, max_new=5)
         requests = [CacheRequest(0.0, tokens.tokens(ids), []) for ids in trace]
         capacity = rng.randint(max(map(len, trace)) + 1, 60)
-        pool = BlockPool(capacity, 4)
-        oracle = OfflineOptimal([r.prompt for r in requests], 4)
-        best = serve(KVCacheManager(pool, RadixCache(pool, oracle)), requests, oracle).tokens
+        best = hit_tokens(requests, capacity, 4, OfflineOptimal.name)
         assert hits(requests, capacity, Adaptive(), 4) <= best
 
 
@@ -306,9 +304,7 @@ def test_where_most_blocks_pass_once_adaptive_keeps_1_3x_lru_and_0_4x_the_optimu
         seed=seed,
     )
     requests = requests_from_workload(Workload(generate_one_use(params), {}), tokenizer=None)
-    pool = BlockPool(1000, 16)
-    oracle = OfflineOptimal([r.prompt for r in requests], 16)
-    optimum = serve(KVCacheManager(pool, RadixCache(pool, oracle)), requests, oracle).tokens
+    optimum = hit_tokens(requests, 1000, 16, OfflineOptimal.name)
     lru, gdsf, adaptive = (hits(requests, 1000, p) for p in (LRU(), GDSF(), Adaptive()))
     assert adaptive >= 1.3 * lru and adaptive >= 0.99 * gdsf, (adaptive, lru, gdsf)
     assert adaptive >= 0.4 * optimum, (adaptive, optimum)
