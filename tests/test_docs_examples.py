@@ -58,7 +58,7 @@ NOT_RUN = {
     "README.md": 3,
     "docs/benchmarks.md": 2,
     "docs/getting-started.md": 3,
-    "docs/restart.md": 1,
+    "docs/restart.md": 2,
     "docs/serving.md": 3,
 }
 
