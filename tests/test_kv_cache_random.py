@@ -275,17 +275,43 @@ class Harness:
         return np.array_equal(slots[np.concatenate(rows), np.concatenate(cols)], np.concatenate(want))
 
 
+class CyclingAdaptive(Adaptive):
+    """`adaptive` deciding every 16 sampled blocks, each decision overruled to the next setting
+    (the miniatures' own decision still runs): every switch, GDSF's re-keying of every leaf
+    included, comes round again and again."""
+
+    def __init__(self) -> None:
+        super().__init__(decide_every=16)
+
+    def sized(self, num_blocks: int, block_size: int) -> None:
+        super().sized(num_blocks, block_size)
+        minis = self.miniatures
+        decide = minis.decide
+
+        def cycle(current: int, margin: float) -> int:
+            decide(current, margin)
+            return (current + 1) % len(minis.settings)
+
+        minis.decide = cycle
+
+
+def assert_cycled(policy) -> None:
+    if isinstance(policy, CyclingAdaptive):
+        assert len({s for _, s in policy.trajectory}) == len(policy.miniatures.settings)
+
+
 @pytest.mark.parametrize(
     ("block_size", "seed", "policy"),
     [(1, 0, "lru"), (16, 1, "lru"), (64, 2, "lru"), (4, 3, "lru"), (4, 4, "gdsf"), (16, 5, "session")]
-    + [(1, 6, "adaptive"), (4, 7, "adaptive-small-window"), (16, 8, "adaptive-small-window")],
+    + [(1, 6, "adaptive"), (4, 7, "adaptive-cycling"), (16, 8, "adaptive-cycling")],
 )
 def test_random_operations_match_the_naive_reference(block_size, seed, policy):
     # Small enough that eviction and OutOfBlocks happen all the time.
-    if policy == "adaptive-small-window":  # a decision every 16 sampled blocks: every setting
-        policy = Adaptive(decide_every=16)  # in turn, GDSF's re-keying of every leaf included
+    if policy == "adaptive-cycling":
+        policy = CyclingAdaptive()
     h = Harness(block_size, num_blocks=max(48, 600 // block_size), seed=seed, policy=policy)
     run(h, run_length(5000))
+    assert_cycled(policy)
 
 
 @pytest.mark.parametrize(
@@ -303,10 +329,11 @@ def test_random_operations_with_a_host_tier_keep_every_tokens_kv(
     block_size, seed, policy, host_blocks, write_through
 ):
     """Fake KV written per slot survives offload and load-back bit for bit, on both tiers."""
-    if policy == "adaptive":  # every setting in turn, as above
-        policy = Adaptive(decide_every=16)
+    if policy == "adaptive":
+        policy = CyclingAdaptive()
     h = Harness(block_size, max(40, 400 // block_size), seed, policy, host_blocks, write_through)
     run(h, run_length(4000, least=800))
+    assert_cycled(policy)
     host = h.host
     assert host.num_offloaded and host.num_loaded and host.num_evicted, "the host tier was not exercised"
     assert h.kv.num_swapped_out_blocks and h.restored, "no swapped-out sequence came back whole"

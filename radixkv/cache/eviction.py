@@ -210,15 +210,18 @@ class Adaptive(EvictionPolicy):
     `decide_every` sampled block accesses (a miniature-full by default: one pool-full of the
     traffic's blocks) the live cache moves to the setting whose miniature hit most lately, each
     miniature's score corrected by how the live cache fared against it when it ran that
-    setting (`Miniatures.decide`), if it beats the current one's by more than `MARGIN`. It
-    starts at the 1% window (`window`), where the evidence puts large caches under one-use
-    traffic, and runs each other setting once (three periods: two to settle, one measured) to
-    learn its correction, so it has explored after about 13 periods. A period is the pool's
-    size over the blocks per request: on the shipped traces and workloads from 7 requests
-    (docs at 1,000 blocks) to 750 (chat at 16,000); a later change of traffic is followed
-    within about three periods (scores decay by `DECAY` each). Moving between windows is free
-    (the window's overflow queues for its duels); moving to or from GDSF re-keys the evictable
-    leaves once, O(n log n). `trajectory` keeps the last 4,096 (tree clock, setting) choices.
+    setting (`Miniatures.decide`; a setting not run yet at its miniature's word), if it beats
+    the current one's by more than `MARGIN`. It starts at the 1% window (`window`), where the
+    evidence puts large caches under one-use traffic, and keeps a setting it runs for the first
+    time for three periods (two to settle, one to measure its correction): its first move, to
+    the setting whose corrected score leads (if another does), comes after three periods, and
+    a setting runs only when its score leads. A period is the pool's size over the blocks per
+    request: on the shipped traces and workloads from 7 requests (docs at 1,000 blocks) to 750
+    (chat at 16,000), so the first move comes after 21 to 2,250 requests; a later change of
+    traffic is followed within about three periods (scores decay by `DECAY` each). Moving
+    between windows is free (the window's overflow queues for its duels); moving to or from
+    GDSF re-keys the evictable leaves once, O(n log n). `trajectory` keeps the last 4,096 (tree
+    clock, setting) choices.
 
     Cost: keys are `(segment, stamp)`, so a segment's least recent leaf is a bisection of the
     tree's sorted leaves; a duel, a demotion and a touch are O(log n) plus an O(block size)
